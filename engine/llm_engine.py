@@ -1,0 +1,227 @@
+"""LLMEngine: add_request / abort_request / step over the scheduler, block manager, model runner and sampler."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Iterable
+
+import torch
+
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.config import EngineArgs, EngineConfig
+from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
+from kvgate.engine.model_runner import ModelRunner
+from kvgate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvgate.engine.sampler import Sampler
+from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
+from kvgate.engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        a = config.args
+        self.tokenizer = None if a.skip_tokenizer_init else load_tokenizer(config)
+        self.runner = ModelRunner(config)
+        capacity = self.runner.num_blocks * a.block_size
+        if capacity < config.max_model_len:
+            logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len",
+                           capacity, config.max_model_len)
+            config.max_model_len = capacity
+        self.max_model_len = config.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
+                                   a.scheduler_delay, a.priority_aging_rate)
+        eos = list(config.model_config.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = eos
+        self.sampler = Sampler(config.model_config.vocab_size, eos)
+        self.requests: dict[str, Request] = {}
+        self.num_prompt_tokens = 0  # totals, for metrics
+        self.num_generation_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
+            return prompt, (self.tokenizer.encode(prompt) if prompt else [])
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt'/'prompt_token_ids'")
+
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
+                    priority: int = DEFAULT_PRIORITY, max_batch_delay: float | None = None,
+                    arrival_time: float | None = None) -> None:
+        sp = sampling_params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.encode_prompt(prompt)
+        self.validate_prompt(ids)
+        if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
+            raise ValueError(f"priority must be an integer in [0, 100] (higher is more urgent), got {priority!r}")
+        if max_batch_delay is not None and max_batch_delay < 0:
+            raise ValueError(f"max_batch_delay must be >= 0 seconds, got {max_batch_delay}")
+        if sp.logprobs is not None and sp.logprobs > self.config.args.max_logprobs:
+            raise ValueError(f"logprobs must be <= {self.config.args.max_logprobs}, got {sp.logprobs}")
+        req = Request(request_id, text, ids, sp, priority, max_batch_delay)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        for i in range(sp.n):
+            seq = Sequence(req, i, list(ids))
+            init_offsets(seq)
+            if sp.seed is not None:
+                seq.generator = torch.Generator(device=self.config.device).manual_seed((sp.seed * 1000003 + i) % 2**63)
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.num_prompt_tokens += len(ids)
+        self.scheduler.add(req.seqs[0])  # the others fork from it once the prompt is computed
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        vocab = self.config.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context length is "
+                             f"{self.max_model_len} tokens (at most {self.max_model_len - 1} prompt tokens, "
+                             f"leaving room for one output token)")
+
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outs = []
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+            outs.append(self._make_output(req, force=True))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- the step -----------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            wake = self.scheduler.next_wakeup
+            if wake is not None:  # prefills are being held to batch them: sleep until they are due
+                time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+            return []
+        logits = self.runner.execute(out.scheduled)
+        self.num_steps += 1
+        sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)]
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        rows: list[Sequence] = []
+        index: list[int] = []
+        for i, seq in enumerate(sampling):
+            req = seq.request
+            targets = [seq]
+            if seq.index == 0 and req.sampling_params.n > 1 and not req.forked:
+                req.forked = True  # parallel sampling: the other samples share the computed prompt blocks
+                for child in req.seqs[1:]:
+                    self.block_manager.fork(seq, child)
+                    self.scheduler.add_running(child)
+                targets = req.seqs
+            rows.extend(targets)
+            index.extend([i] * len(targets))
+        if not rows:
+            return []
+        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows)
+        touched: dict[str, Request] = {}
+        for row, token, lp in zip(rows, result.token_ids, result.logprobs):
+            self._append_token(row, token, lp)
+            touched[row.request.request_id] = row.request
+        outputs = []
+        for req in touched.values():
+            o = self._make_output(req)
+            if o is not None:
+                outputs.append(o)
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp: tuple | None) -> None:
+        req, sp = seq.request, seq.request.sampling_params
+        seq.token_ids.append(token)
+        self.num_generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if lp is not None:
+            chosen, rank, top = lp
+            seq.cumulative_logprob += chosen
+            entry = {tid: Logprob(v, r + 1, self._decode_one(tid)) for r, (tid, v) in enumerate(top)}
+            entry[token] = Logprob(chosen, rank, self._decode_one(token))
+            seq.logprobs.append(entry)
+        reason, stop_reason = None, None
+        past_min = seq.num_output_tokens >= sp.min_tokens
+        if past_min and not sp.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif past_min and token in sp.stop_token_ids:
+            reason, stop_reason = "stop", token
+        if self.tokenizer is not None and reason is None:
+            delta = detokenize_incrementally(self.tokenizer, seq, sp.skip_special_tokens)
+            hit = check_stop_strings(seq, len(delta), sp.stop, sp.include_stop_str_in_output) if past_min else None
+            if hit is not None:
+                reason, stop_reason = "stop", hit
+        if reason is None and ((sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens)
+                               or len(seq) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            seq.stop_reason = stop_reason
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _make_output(self, req: Request, force: bool = False) -> RequestOutput | None:
+        sp = req.sampling_params
+        finished = req.finished
+        if sp.output_kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
+            return None
+        holdback = max((len(s) for s in sp.stop), default=1) - 1 if sp.stop else 0
+        outs = []
+        for seq in req.seqs:
+            text = seq.text if seq.is_finished or not holdback else seq.text[: max(0, len(seq.text) - holdback)]
+            tokens = seq.output_token_ids
+            logprobs = seq.logprobs if sp.logprobs is not None else None
+            if sp.output_kind == RequestOutputKind.DELTA:
+                text, tokens = text[seq.sent_text_len:], tokens[seq.sent_token_len:]
+                logprobs = logprobs[seq.sent_token_len:] if logprobs is not None else None
+                seq.sent_text_len += len(text)
+                seq.sent_token_len += len(tokens)
+            outs.append(CompletionOutput(seq.index, text, list(tokens),
+                                         seq.cumulative_logprob if sp.logprobs is not None else None,
+                                         logprobs, seq.finish_reason, seq.stop_reason))
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished or force,
+                             metrics=metrics)

@@ -1,0 +1,42 @@
+"""MemoryMonitor(engine).get_stats(): KV-cache use, fragmentation and prefix-cache figures."""
+from __future__ import annotations
+
+from typing import Any
+
+from kvgate.engine.sequence import SequenceStatus
+
+
+class MemoryMonitor:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine  # an LLMEngine (or anything with .block_manager, .scheduler, .runner)
+
+    def get_stats(self) -> dict[str, float | int]:
+        bm = self.engine.block_manager
+        block_bytes = self.engine.runner.block_bytes
+        in_use = [b for b in bm.blocks if b.ref_count > 0]
+        filled: dict[int, int] = {}
+        for seq in self.engine.scheduler.running:
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            for i, bid in enumerate(seq.block_table):
+                n = min(bm.block_size, max(0, seq.num_computed_tokens - i * bm.block_size))
+                filled[bid] = max(filled.get(bid, 0), n)
+        slots = len(in_use) * bm.block_size
+        used_slots = sum(filled.get(b.block_id, 0) for b in in_use)
+        cached_free = sum(1 for b in bm.blocks if b.ref_count == 0 and b.hash is not None
+                          and bm.cached.get(b.hash) == b.block_id)
+        return {
+            "allocated": len(in_use) * block_bytes / 2**30,  # GiB held by live sequences
+            "capacity": bm.num_blocks * block_bytes / 2**30,
+            "fragmentation": 1.0 - used_slots / slots if slots else 0.0,
+            "free_blocks": bm.num_free_blocks,
+            "total_blocks": bm.num_blocks,
+            "used_blocks": len(in_use),
+            "cached_free_blocks": cached_free,
+            "block_size": bm.block_size,
+            "usage": len(in_use) / bm.num_blocks,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+        }

@@ -1,0 +1,135 @@
+"""ModelRunner: owns the model and the paged KV cache; turns a scheduled batch into step tensors and logits."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvgate.engine.config import EngineConfig
+from kvgate.engine.forward_context import forward_context
+from kvgate.engine.models.loader import get_model
+from kvgate.engine.sequence import Sequence
+from kvgate.kernels.metadata import AttentionMetadata
+from kvgate.kernels.registry import get_attention_backend
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        self.block_size = config.args.block_size
+        mc = config.model_config
+        torch.manual_seed(config.args.seed)
+        self.attention_fn = get_attention_backend(config.attention_backend)
+        self.model = get_model(mc, config.model_path, config.load_format, config.dtype, self.device, config.args.seed)
+        self.num_blocks = self._num_blocks()
+        shape = (mc.num_hidden_layers, 2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=config.kv_cache_dtype, device=self.device)
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
+            layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+
+    @property
+    def block_bytes(self) -> int:
+        mc = self.config.model_config
+        elem = torch.empty(0, dtype=self.config.kv_cache_dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _num_blocks(self) -> int:
+        a = self.config.args
+        if a.num_gpu_blocks_override is not None:
+            return a.num_gpu_blocks_override
+        if a.kv_cache_memory_bytes is not None:
+            budget = a.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        num = int(budget // self.block_bytes)
+        if num < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {self.block_bytes} bytes")
+        return num
+
+    @torch.inference_mode()
+    def _profile_gpu_budget(self) -> int:
+        """gpu_memory_utilization × total, minus what the weights, a full-size step and others already use."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = self.config.max_num_batched_tokens
+        dummy = torch.zeros((1, self.block_size, self.config.model_config.num_key_value_heads,
+                             self.config.model_config.head_dim), dtype=self.config.kv_cache_dtype, device=self.device)
+        for layer in self.model.layers:
+            layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = dummy
+        seqs = min(self.config.max_num_seqs, n)
+        lens = [n // seqs + (1 if i < n % seqs else 0) for i in range(seqs)]
+        starts = [0]
+        for length in lens:
+            starts.append(starts[-1] + length)
+        md = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros((seqs, 1), dtype=torch.int32, device=self.device),
+            num_decodes=0, max_query_len=max(lens), max_seq_len=max(lens), block_size=self.block_size,
+            query_start_loc_cpu=starts, seq_lens_cpu=lens)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        with forward_context(md, self.attention_fn):
+            hidden = self.model(ids, torch.zeros_like(ids))
+            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        others = (total - free) - torch.cuda.memory_reserved()  # other processes, CUDA context
+        peak = torch.cuda.max_memory_allocated()
+        budget = int(total * self.config.args.gpu_memory_utilization) - peak - others - (256 << 20)
+        torch.cuda.empty_cache()
+        logger.info("KV cache budget %.2f GiB (peak step %.2f GiB)", budget / 2**30, peak / 2**30)
+        return budget
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                                        list[int]]:
+        """Flat step tensors for (seq, new tokens) pairs, decodes first; also the rows whose logits are needed."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, seq_lens, logits_rows = [0], [], []
+        num_decodes = 0
+        for seq, n in scheduled:
+            c = seq.num_computed_tokens
+            if n == 1 and len(seq) - c == 1:
+                num_decodes += 1
+            input_ids.extend(seq.token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            if c + n == len(seq):
+                logits_rows.append(starts[-1] - 1)
+        max_blocks = max(len(s.block_table) for s, _ in scheduled)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in scheduled]
+        dev = self.device
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
+
+        md = AttentionMetadata(
+            slot_mapping=t(slots, torch.long), query_start_loc=t(starts, torch.int32),
+            seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=num_decodes,
+            max_query_len=max(n for _, n in scheduled), max_seq_len=max(seq_lens), block_size=bs,
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+        return t(input_ids, torch.long), t(positions, torch.long), md, logits_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run one step; returns float32 logits for every sequence whose tokens are now all computed."""
+        input_ids, positions, md, rows = self.prepare(scheduled)
+        with forward_context(md, self.attention_fn):
+            hidden = self.model(input_ids, positions)
+        if not rows:
+            return hidden.new_empty((0, self.config.model_config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])

@@ -1,0 +1,69 @@
+"""Build the model and fill its weights: a local HF directory (safetensors), a GGUF file, or dummy weights."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+
+from kvgate.engine.models.llama import LlamaForCausalLM
+from kvgate.engine.models.model_config import ModelConfig
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return [os.path.join(model_dir, n) for n in names]
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, ValueError) as e:  # safetensors raises SafetensorError (an OSError)
+            raise ValueError(f"cannot read weights file {path}: {e}") from e
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data.fill_(1.0)
+        else:  # generate on CPU in chunks so the numbers do not depend on the device
+            flat = p.data.view(-1)
+            step = 1 << 24
+            for i in range(0, flat.numel(), step):
+                n = min(step, flat.numel() - i)
+                flat[i:i + n].copy_(torch.randn(n, generator=gen) * 0.02)
+
+
+def get_model(cfg: ModelConfig, model_path: str, load_format: str, dtype: torch.dtype,
+              device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        if load_format == "dummy":
+            _init_dummy(model, seed)
+        elif load_format == "gguf":
+            from kvgate.engine.models.gguf import iter_gguf_weights
+
+            model.load_weights(iter_gguf_weights(model_path))
+        else:
+            model.load_weights(iter_safetensors(model_path))
+    return model.eval()

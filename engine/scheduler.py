@@ -1,0 +1,183 @@
+"""Which sequences run this step: priorities with aging, a token budget, chunked prefill, preemption,
+and a batching window (scheduler_delay, capped per request by its max batch delay)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens), decodes first
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, enable_chunked_prefill: bool = True, enable_preemption: bool = True,
+                 scheduler_delay: float = 0.0, priority_aging_rate: float = 2.0) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.enable_preemption = enable_preemption
+        self.scheduler_delay = scheduler_delay
+        self.priority_aging_rate = priority_aging_rate
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.next_wakeup: float | None = None  # when held prefills become due (None: nothing held)
+
+    # ---- queue bookkeeping -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child that already holds (shared) blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
+        if seq in queue:  # an unforked sample (n > 1) is in no queue yet
+            queue.remove(seq)
+        self.bm.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def effective_priority(self, seq: Sequence, now: float) -> float:
+        """Higher runs first; waiting time raises it so that no request starves."""
+        return seq.priority + self.priority_aging_rate * (now - seq.arrival_time)
+
+    def _order(self, seq: Sequence, now: float) -> tuple[float, float, int]:
+        return (-self.effective_priority(seq, now), seq.arrival_time, seq.index)
+
+    def batch_deadline(self, seq: Sequence) -> float:
+        if seq.num_preemptions:  # preempted work is never held again
+            return seq.arrival_time
+        delay = self.scheduler_delay
+        if seq.request.max_batch_delay is not None:
+            delay = min(delay, seq.request.max_batch_delay)
+        return seq.arrival_time + delay
+
+    def _reserve(self, seq: Sequence) -> int:
+        """Blocks seq may still need (preemption off: admission keeps room for every running sequence)."""
+        sp = seq.request.sampling_params
+        longest = min(seq.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len)
+        copies = sp.n if len(seq.request.seqs) < sp.n else 1
+        return copies * self.bm.blocks_needed(longest) - len(seq.block_table)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        now = time.monotonic() if now is None else now
+        self._now, self._out = now, SchedulerOutput()
+        self._planned: dict[Sequence, int] = {}
+        self._budget = self.max_num_batched_tokens
+
+        # 1. running sequences: decodes first, then prefill chunks, each in priority order
+        self.running.sort(key=lambda s: self._order(s, now))
+        decodes = [s for s in self.running if len(s) - s.num_computed_tokens == 1]
+        chunks = [s for s in self.running if len(s) - s.num_computed_tokens > 1]
+        for seq in decodes + chunks:
+            if seq.status != SequenceStatus.RUNNING or self._budget <= 0:
+                continue
+            n = min(len(seq) - seq.num_computed_tokens, self._budget)
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = self._lowest_running() if self.enable_preemption else None
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self._plan(seq, n)
+
+        # 2. waiting sequences, unless this step had to preempt (the cache is full)
+        self.next_wakeup = None
+        if not self._out.preempted and self.waiting:
+            self._admit()
+
+        is_decode = {s: n == 1 and len(s) - s.num_computed_tokens == 1 for s, n in self._planned.items()}
+        items = list(self._planned.items())
+        self._out.scheduled = [x for x in items if is_decode[x[0]]] + [x for x in items if not is_decode[x[0]]]
+        return self._out
+
+    def _plan(self, seq: Sequence, n: int) -> None:
+        self._planned[seq] = n
+        self._budget -= n
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Preemption by recompute: free the victim's blocks and send it back to the waiting queue."""
+        self._budget += self._planned.pop(victim, 0)
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = SequenceStatus.WAITING
+        self.waiting.append(victim)
+        self.num_preemptions += 1
+        self._out.preempted.append(victim)
+
+    def _lowest_running(self, below: float | None = None) -> Sequence | None:
+        """The preemption victim: lowest (effective) priority, newest; only below `below` if given."""
+        now = self._now
+        cands = [s for s in self.running if below is None or self.effective_priority(s, now) < below]
+        return max(cands, key=lambda s: self._order(s, now)) if cands else None
+
+    def _admit(self) -> None:
+        now, bs = self._now, self.bm.block_size
+        self.waiting.sort(key=lambda s: self._order(s, now))
+        seats = self.max_num_seqs - len(self.running)
+        deadlines = [self.batch_deadline(s) for s in self.waiting]
+        if min(deadlines) > now and len(self.waiting) < seats:  # hold: wait for more prefills to batch
+            self.next_wakeup = min(deadlines)
+            return
+        for seq in list(self.waiting):
+            if self._budget <= 0:
+                return
+            prio = self.effective_priority(seq, now)
+            if len(self.running) >= self.max_num_seqs:
+                victim = self._lowest_running(below=prio) if self.enable_preemption else None
+                if victim is None:
+                    return
+                self._preempt(victim)
+            if not self.enable_preemption:
+                reserved = sum(self._reserve(s) for s in self.running)
+                if self.bm.num_free_blocks - reserved < self._reserve(seq):
+                    return
+            while True:
+                computed = self.bm.get_computed_blocks(seq) if not seq.block_table else []
+                start = len(computed) * bs if computed else seq.num_computed_tokens
+                remaining = len(seq) - start
+                n = min(remaining, self._budget)
+                if not self.enable_chunked_prefill and n < remaining:
+                    return
+                if self.bm.allocate(seq, start + n, computed):
+                    break
+                victim = self._lowest_running(below=prio) if self.enable_preemption else None
+                if victim is None:
+                    return  # keep priority order: nothing behind this request jumps the queue
+                self._preempt(victim)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            if seq.request.first_scheduled_time is None:
+                seq.request.first_scheduled_time = now
+            self._plan(seq, n)

@@ -1,0 +1,93 @@
+"""Request and Sequence: the engine's bookkeeping for one request and each of its n samples."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from kvgate.engine.sampling_params import SamplingParams
+
+DEFAULT_PRIORITY = 50
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = DEFAULT_PRIORITY
+    max_batch_delay: float | None = None  # seconds; caps scheduler_delay for this request
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list["Sequence"] = field(default_factory=list)
+    forked: bool = False  # n > 1: the other samples were forked from seqs[0]
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class Sequence:
+    """One token stream: the prompt plus what has been sampled for it. The scheduler's unit of work."""
+
+    def __init__(self, request: Request, index: int, token_ids: list[int]) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index  # which of the request's n samples this is
+        self.token_ids = token_ids
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None
+        self.num_preemptions = 0
+        # detokenizer state (engine/detokenizer.py)
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, len={len(self)}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
+    def arrival_time(self) -> float:
+        return self.request.arrival_time

@@ -1,0 +1,96 @@
+"""Torch reference twins of the attention kernels; also the "torch" attention backend (the CPU path).
+
+Cache layout, per layer: k_cache / v_cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvgate.kernels.metadata import AttentionMetadata
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write k/v [num_tokens, kv_heads, head_dim] into their slots; slots < 0 are padding and skipped."""
+    num_blocks, block_size = k_cache.shape[:2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None) -> torch.Tensor:
+    """One query token per sequence. q: [num_seqs, heads, head_dim] -> [num_seqs, heads, head_dim]."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    nb = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :nb].long()
+    k = k_cache[table].flatten(1, 2)  # [seqs, nb*bs, kvh, d]
+    v = v_cache[table].flatten(1, 2)
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
+    """Varlen prefill/extend: each sequence's new tokens attend causally to themselves and fully to their
+    cached prefix. q: [num_tokens, heads, head_dim] (the K/V of these tokens are already in the cache)."""
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        k = gather_kv(k_cache, block_tables[i], seq_len)
+        v = gather_kv(v_cache, block_tables[i], seq_len)
+        out[start:end] = _causal_attention(q[start:end], k, v, scale)
+    return out
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [q_len, h, d], k/v: [kv_len, kvh, d] with the queries at the last q_len positions."""
+    q_len, kv_len = q.shape[0], k.shape[0]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if q_len == kv_len:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
+        mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def torch_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Store the new K/V, then attend. q: [T, h, d], k/v: [T, kvh, d] -> [T, h, d]."""
+    store_kvcache_ref(k, v, k_cache, v_cache, md.slot_mapping)
+    nd = md.num_decodes
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale)
+    if nd < md.num_seqs:
+        qsl = md.query_start_loc_cpu or md.query_start_loc.tolist()
+        lens = md.seq_lens_cpu or md.seq_lens.tolist()
+        for i in range(nd, md.num_seqs):
+            start, end, seq_len = qsl[i], qsl[i + 1], lens[i]
+            if end - start == seq_len:  # nothing cached before: attend over the fresh K/V directly
+                ks, vs = k[start:end], v[start:end]
+            else:
+                ks = gather_kv(k_cache, md.block_tables[i], seq_len)
+                vs = gather_kv(v_cache, md.block_tables[i], seq_len)
+            out[start:end] = _causal_attention(q[start:end], ks, vs, scale)
+    return out
