@@ -79,6 +79,14 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer in [0, 100] (higher is more urgent), got {priority!r}")
         if max_batch_delay is not None and max_batch_delay < 0:
             raise ValueError(f"max_batch_delay must be >= 0 seconds, got {max_batch_delay}")
+        if sp.n > self.config.max_num_seqs:
+            raise ValueError(f"n={sp.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
+        if not self.config.args.enable_preemption:
+            longest = min(len(ids) + (sp.max_tokens or self.max_model_len), self.max_model_len)
+            need = sp.n * self.block_manager.blocks_needed(longest)
+            if need > self.block_manager.num_blocks:
+                raise ValueError(f"this request may need {need} KV blocks ({sp.n} x {longest} tokens) but the cache "
+                                 f"has {self.block_manager.num_blocks} and preemption is off: lower max_tokens or n")
         if sp.logprobs is not None and sp.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.args.max_logprobs}, got {sp.logprobs}")
         req = Request(request_id, text, ids, sp, priority, max_batch_delay)

@@ -77,11 +77,20 @@ class Scheduler:
             delay = min(delay, seq.request.max_batch_delay)
         return seq.arrival_time + delay
 
+    @staticmethod
+    def seats_needed(seq: Sequence) -> int:
+        """A request's first sample takes a seat for each of its n samples: the others fork from it."""
+        n = seq.request.sampling_params.n
+        return n if seq.index == 0 and not seq.request.forked else 1
+
+    def _seats_used(self) -> int:
+        return sum(self.seats_needed(s) for s in self.running)
+
     def _reserve(self, seq: Sequence) -> int:
         """Blocks seq may still need (preemption off: admission keeps room for every running sequence)."""
         sp = seq.request.sampling_params
         longest = min(seq.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len)
-        copies = sp.n if len(seq.request.seqs) < sp.n else 1
+        copies = sp.n if seq.index == 0 and not seq.request.forked else 1
         return copies * self.bm.blocks_needed(longest) - len(seq.block_table)
 
     # ---- the step ------------------------------------------------------------------------------------------
@@ -144,16 +153,18 @@ class Scheduler:
     def _admit(self) -> None:
         now, bs = self._now, self.bm.block_size
         self.waiting.sort(key=lambda s: self._order(s, now))
-        seats = self.max_num_seqs - len(self.running)
+        free_seats = self.max_num_seqs - self._seats_used()
         deadlines = [self.batch_deadline(s) for s in self.waiting]
-        if min(deadlines) > now and len(self.waiting) < seats:  # hold: wait for more prefills to batch
+        wanted = sum(self.seats_needed(s) for s in self.waiting)
+        if min(deadlines) > now and wanted < free_seats:  # hold: wait for more prefills to batch
             self.next_wakeup = min(deadlines)
             return
         for seq in list(self.waiting):
             if self._budget <= 0:
                 return
             prio = self.effective_priority(seq, now)
-            if len(self.running) >= self.max_num_seqs:
+            seats = self.seats_needed(seq)
+            while self._seats_used() + seats > self.max_num_seqs:
                 victim = self._lowest_running(below=prio) if self.enable_preemption else None
                 if victim is None:
                     return

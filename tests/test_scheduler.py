@@ -11,12 +11,14 @@ import random
 import time
 
 import pytest
+import torch
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.llm import LLM
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.sequence import Request, Sequence, SequenceStatus
+from tiny_models import load_hf_model
 
 BS = 16
 
@@ -116,6 +118,27 @@ def run_engine(engine, max_steps: int = 5000) -> tuple[list[str], dict]:
                          f"waiting={engine.scheduler.waiting}")
 
 
+@torch.no_grad()
+def assert_same_greedy(model_dir: str, ps: list[list[int]], got: list[list[int]], want: list[list[int]],
+                       tol: float = 1e-3) -> None:
+    """Equal greedy tokens, except that a sequence may part at a near-tie: a step where transformers' logits of
+    the two picks (after the same prefix) differ by at most `tol`; the rest of it is then not compared."""
+    assert len(got) == len(want)
+    for prompt, g, w in zip(ps, got, want):
+        for k, (a, b) in enumerate(zip(g, w)):
+            if a != b:
+                logits = load_hf_model(model_dir)(torch.tensor([prompt + g[:k]])).logits[0, -1]
+                gap = float(logits[b] - logits[a])
+                assert abs(gap) <= tol, f"step {k}: {a} != {b} (logit gap {gap:.3g}): {g} != {w}"
+                break
+        else:
+            assert len(g) == len(w), (g, w)
+
+
+def tokens_of(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def assert_idle_and_clean(engine) -> None:
     bm = engine.block_manager
     assert not engine.scheduler.running and not engine.scheduler.waiting
@@ -144,7 +167,7 @@ def test_token_budget_and_seat_limit_per_step(model: str) -> None:
     assert_idle_and_clean(llm.engine)
     # chunking changes nothing in the results
     ref = LLM(model, max_num_seqs=3, num_gpu_blocks_override=64).generate(ps, greedy(10))
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert_same_greedy(model, ps, tokens_of(outs), tokens_of(ref))
 
 
 def test_chunked_prefill_splits_a_long_prompt_and_mixes_it_with_decodes(model: str) -> None:
@@ -165,8 +188,7 @@ def test_chunked_prefill_splits_a_long_prompt_and_mixes_it_with_decodes(model: s
         kinds = [dec for _, _, dec in e["items"]]
         assert kinds == sorted(kinds, reverse=True)
     ref = LLM(model, num_gpu_blocks_override=64).generate([short, long], [greedy(30), greedy(4)])
-    assert final["short"].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert final["long"].outputs[0].token_ids == ref[1].outputs[0].token_ids
+    assert_same_greedy(model, [short, long], tokens_of([final["short"], final["long"]]), tokens_of(ref))
     assert_idle_and_clean(engine)
 
 
@@ -191,7 +213,7 @@ def test_sim_budget_is_shared_between_decodes_and_chunks() -> None:
     sim.step(0)
     sim.add("b", prompt_len=30, max_tokens=2)
     out = sim.step(0)
-    assert [(r, n) for r, n in zip(rids(out), [n for _, n in out.scheduled])] == [("a", 1), ("b", 9)]
+    assert [(s.request.request_id, n) for s, n in out.scheduled] == [("a", 1), ("b", 9)]
     sim.run()
     assert sim.finished == ["b", "a"]
 
@@ -326,8 +348,7 @@ def test_preemption_spares_the_highest_priority_request(model: str) -> None:
     vip = final["vip"]
     assert len(vip.outputs[0].token_ids) == 24
     ref = LLM(model, num_gpu_blocks_override=64).generate(ps, greedy(24))
-    assert [final[f"r{i}"].outputs[0].token_ids for i in range(5)] + [vip.outputs[0].token_ids] == \
-        [o.outputs[0].token_ids for o in ref]
+    assert_same_greedy(model, ps, tokens_of([final[f"r{i}"] for i in range(5)] + [vip]), tokens_of(ref))
     assert_idle_and_clean(engine)
 
 
@@ -370,7 +391,7 @@ def test_no_preemption_when_disabled(model: str) -> None:
     assert not any(e["preempted"] for e in log)
     assert all(len(final[f"r{i}"].outputs[0].token_ids) == 20 for i in range(8))
     ref = LLM(model, num_gpu_blocks_override=64).generate(ps, greedy(20))
-    assert [final[f"r{i}"].outputs[0].token_ids for i in range(8)] == [o.outputs[0].token_ids for o in ref]
+    assert_same_greedy(model, ps, tokens_of([final[f"r{i}"] for i in range(8)]), tokens_of(ref))
     assert_idle_and_clean(engine)
 
 
@@ -392,16 +413,18 @@ def test_no_preemption_when_disabled_with_parallel_sampling(model: str) -> None:
 
 
 def test_parallel_sampling_respects_max_num_seqs(model: str) -> None:
-    llm = LLM(model, max_num_seqs=2, num_gpu_blocks_override=64)
+    """Each of a request's n samples is a running sequence: two requests with n=3 do not fit 4 seats together."""
+    llm = LLM(model, max_num_seqs=4, num_gpu_blocks_override=64)
     engine = llm.engine
     log = record_schedules(engine)
     ps = prompts(2, seed=14, lo=10, hi=20)
     for i, p in enumerate(ps):
         engine.add_request(f"r{i}", p, greedy(5, n=3))
     _, final = run_engine(engine)
-    assert all(len(o.outputs) == 3 for o in final.values())
-    assert max(e["running"] for e in log) <= 2, [e["running"] for e in log]
-    assert max(len(e["items"]) for e in log) <= 2
+    assert all(len(o.outputs) == 3 and all(len(c.token_ids) == 5 for c in o.outputs) for o in final.values())
+    assert max(e["running"] for e in log) <= 4, [e["running"] for e in log]
+    assert max(len(e["items"]) for e in log) <= 4
+    assert_idle_and_clean(engine)
 
 
 # ---- scheduler_delay ----------------------------------------------------------------------------------------------

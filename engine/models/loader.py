@@ -24,14 +24,14 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
-        except (OSError, RuntimeError, ValueError) as e:  # safetensors raises SafetensorError (an OSError)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ValueError(f"cannot read weights file {path}: {e}") from e
 
 
