@@ -102,9 +102,10 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Gumbel-max through exponential noise: argmax(p / q), q ~ Exp(1); seeded rows use their own generator
-        q = torch.empty_like(probs).exponential_()
+        # exponential-race sampling: argmax(p / q) with q = -log(u) ~ Exp(1); seeded rows use their own generator
+        u = torch.rand_like(probs)
         for i, seq in enumerate(rows):
             if seq.generator is not None:
-                q[i].exponential_(generator=seq.generator)
+                u[i] = torch.rand(probs.shape[1], generator=seq.generator, device=probs.device)
+        q = u.clamp_(min=1e-20).log_().neg_()
         return (probs / q).argmax(dim=-1)

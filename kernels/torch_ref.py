@@ -25,27 +25,23 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     """The first `length` cached tokens of one sequence: [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None) -> torch.Tensor:
     """One query token per sequence. q: [num_seqs, heads, head_dim] -> [num_seqs, heads, head_dim]."""
-    num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    block_size = k_cache.shape[1]
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    nb = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :nb].long()
-    k = k_cache[table].flatten(1, 2)  # [seqs, nb*bs, kvh, d]
-    v = v_cache[table].flatten(1, 2)
-    qg = q.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
-    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v.float())
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+    table = block_tables[:, : (max_len + block_size - 1) // block_size].long()
+    shape = (table.shape[0], table.shape[1] * block_size, *k_cache.shape[2:])
+    # index_select, not advanced indexing: several times faster on CPU
+    k = k_cache.index_select(0, table.reshape(-1)).view(shape).transpose(1, 2)  # [seqs, kv_heads, len, head_dim]
+    v = v_cache.index_select(0, table.reshape(-1)).view(shape).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    return out[:, :, 0, :]
 
 
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -81,7 +77,8 @@ def torch_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     nd = md.num_decodes
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale)
+        max_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else None
+        out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_len)
     if nd < md.num_seqs:
         qsl = md.query_start_loc_cpu or md.query_start_loc.tolist()
         lens = md.seq_lens_cpu or md.seq_lens.tolist()
