@@ -31,6 +31,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def hf_generate(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, n: int, dev: str) -> list[list[int]]:
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(dev).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            seq = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            out.append(seq[0, len(p):].tolist())
+    return out
+
+
+def kvgate_generate(model_dir: str, prompts: list[list[int]], dtype: str, n: int) -> tuple[list[list[int]], str]:
+    llm = LLM(model_dir, dtype=dtype)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp)], llm.engine.config.attention_backend
+
+
+def matched(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(common_prefix(x, y) for x, y in zip(a, b))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bfloat16")
@@ -39,29 +60,23 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--record", default=None)
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     prompts = random_prompts(args.num_prompts, seed=7, min_len=4, max_len=200)
+    total = args.new_tokens * len(prompts)
     rows = []
     for arch in ARCHS:
         d = build_tiny_model(tempfile.mkdtemp(), arch, num_hidden_layers=args.layers)
-        llm = LLM(d, dtype=args.dtype)
-        sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-        ours = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(dev).eval()
-        ref = []
-        with torch.inference_mode():
-            for p in prompts:
-                out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=args.new_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0, min_new_tokens=args.new_tokens)
-                ref.append(out[0, len(p):].tolist())
-        matched = [common_prefix(a, b) for a, b in zip(ours, ref)]
-        rows.append({"arch": arch, "dtype": args.dtype, "backend": llm.engine.config.attention_backend,
-                     "identical_seqs": f"{sum(m == args.new_tokens for m in matched)}/{len(prompts)}",
-                     "matched_tokens": f"{sum(matched)}/{args.new_tokens * len(prompts)}",
-                     "first_divergence_min": min(matched)})
-        del llm, hf
-    print(f"# greedy match vs transformers on {device_name()}, {args.num_prompts} prompts x {args.new_tokens} tokens")
+        truth = hf_generate(d, prompts, torch.float32, args.new_tokens, dev)
+        hf_low = hf_generate(d, prompts, getattr(torch, args.dtype), args.new_tokens, dev)
+        ours_low, backend = kvgate_generate(d, prompts, args.dtype, args.new_tokens)
+        ours_fp32, _ = kvgate_generate(d, prompts, "float32", args.new_tokens)
+        rows.append({"arch": arch, "backend": backend,
+                     "kvgate_fp32=hf_fp32": f"{matched(ours_fp32, truth)}/{total}",
+                     f"kvgate_{args.dtype}=hf_{args.dtype}": f"{matched(ours_low, hf_low)}/{total}",
+                     f"kvgate_{args.dtype}=hf_fp32": f"{matched(ours_low, truth)}/{total}",
+                     f"hf_{args.dtype}=hf_fp32": f"{matched(hf_low, truth)}/{total}"})
+    print(f"# greedy tokens in common (prefix up to the first divergence) on {device_name()}, "
+          f"{args.num_prompts} prompts x {args.new_tokens} tokens, {args.layers}-layer tiny models")
     print_table(rows)
     if args.record:
         append_results(args.record, " ".join(sys.argv), rows)
