@@ -194,9 +194,11 @@ class LLMEngine:
             reason = "stop"
         elif past_min and token in sp.stop_token_ids:
             reason, stop_reason = "stop", token
-        if self.tokenizer is not None and reason is None:
+        if self.tokenizer is not None and (reason is None or sp.include_stop_str_in_output):
             delta = detokenize_incrementally(self.tokenizer, seq, sp.skip_special_tokens)
-            hit = check_stop_strings(seq, len(delta), sp.stop, sp.include_stop_str_in_output) if past_min else None
+            hit = None
+            if reason is None and past_min:
+                hit = check_stop_strings(seq, len(delta), sp.stop, sp.include_stop_str_in_output)
             if hit is not None:
                 reason, stop_reason = "stop", hit
         if reason is None and ((sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens)

@@ -40,7 +40,7 @@ def tok(llm: LLM):
 @functools.lru_cache(maxsize=1)
 def byte_to_char() -> dict[int, str]:
     """GPT-2's byte -> printable character map that byte-level BPE vocabularies use for single bytes."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -94,7 +94,10 @@ def assert_clean_stream(deltas: list[str], final: str) -> None:
         assert all(REPLACEMENT not in d for d in deltas)
 
 
-def collect(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+Requests = list[tuple[str, list[int], SamplingParams]]
+
+
+def collect(engine: LLMEngine, requests: Requests) -> dict[str, list[RequestOutput]]:
     for rid, prompt, sp in requests:
         engine.add_request(rid, prompt, sp)
     got: dict[str, list[RequestOutput]] = {rid: [] for rid, _, _ in requests}
@@ -170,7 +173,8 @@ def clean_prompts(tok, n: int, seed: int) -> list[list[int]]:
 
 def test_engine_delta_stream_equals_full_decode(llm: LLM, tok) -> None:
     prompts = clean_prompts(tok, 40, seed=13)
-    prompts += [tok.encode(t) for t in (MULTI, "日本語のテキストです。", "Hello 🙂 world!", "Привет, мир!")]
+    texts = (MULTI, "日本語のテキストです。", "Hello 🙂 world!", "Привет, мир!")
+    prompts += [tok.encode(t) for t in texts]
     requests = []
     for i, p in enumerate(prompts):
         sp = SamplingParams(temperature=0.0 if i % 4 == 0 else 1.0, seed=i, max_tokens=32, ignore_eos=True,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 from tiny_models import assert_greedy_close, hf_greedy_with_logits, load_hf_model, random_prompts
+from transformers import AutoTokenizer
 
 from kvgate.engine import LLM, LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
 
@@ -93,7 +93,10 @@ def assert_all_free(llm: LLM) -> None:
     assert all(b.ref_count == 0 for b in bm.blocks)
 
 
-def run_engine(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+Requests = list[tuple[str, list[int], SamplingParams]]
+
+
+def run_engine(engine: LLMEngine, requests: Requests) -> dict[str, list[RequestOutput]]:
     """Add the requests, step to completion; every output of each request, in order."""
     for rid, prompt, sp in requests:
         engine.add_request(rid, prompt, sp)
@@ -173,19 +176,39 @@ def test_seed_is_reproducible_across_runs_and_batches(llm: LLM, tiny_llama: str)
     assert_all_free(llm)
 
 
+def test_seeded_samples_survive_preemption_and_chunked_prefill(llm: LLM, tiny_llama: str) -> None:
+    """Seeded samples (n up to 3, with penalties and logprobs) are the same on a KV cache so small that sequences
+    are preempted and recomputed, with prompts prefilled in small chunks."""
+    prompts = random_prompts(6, seed=3, min_len=20, max_len=60)
+    sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, logprobs=2, n=1 + i % 3,
+                          frequency_penalty=0.5) for i in range(6)]
+    roomy = llm.generate(prompts, sps)
+    tight = LLM(tiny_llama, num_gpu_blocks_override=12, max_num_batched_tokens=32)
+    cramped = tight.generate(prompts, sps)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for a, b in zip(roomy, cramped):
+        assert len(a.outputs) == len(b.outputs)
+        for ca, cb in zip(a.outputs, b.outputs):
+            assert (cb.token_ids, cb.text) == (ca.token_ids, ca.text)
+            assert cb.cumulative_logprob == pytest.approx(ca.cumulative_logprob, abs=1e-3)
+    assert_all_free(tight)
+    assert_all_free(llm)
+
+
 # ---- the sampled distribution ------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def candidate_prompts(model_dir: str) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """Short random prompts with transformers' first-token logits."""
-    return [(tuple(p), hf_first_logits(model_dir, tuple(p))) for p in random_prompts(300, seed=5, min_len=1, max_len=12)]
+    prompts = random_prompts(300, seed=5, min_len=1, max_len=12)
+    return [(tuple(p), hf_first_logits(model_dir, tuple(p))) for p in prompts]
 
 
 def peaky_prompt(model_dir: str, temperature: float = 1.0) -> tuple[int, ...]:
     """A prompt whose first-token distribution at `temperature` is far from flat (smallest sum of sqrt(p)) without
     being almost deterministic (top p < 0.8), so that a few thousand draws estimate it well: the expected total
     variation of N draws is about sqrt(1 / (2 pi N)) * sum(sqrt(p))."""
-    scored = [(float(p.sqrt().sum()), pr) for pr, p in
-              ((pr, (logits / temperature).softmax(-1)) for pr, logits in candidate_prompts(model_dir)) if p.max() < 0.8]
+    dists = ((pr, (logits / temperature).softmax(-1)) for pr, logits in candidate_prompts(model_dir))
+    scored = [(float(p.sqrt().sum()), pr) for pr, p in dists if p.max() < 0.8]
     score, prompt = min(scored)
     assert score < 9.0, f"no prompt is peaky enough ({score})"
     return prompt
@@ -243,7 +266,8 @@ def test_top_k_top_p_min_p_restrict_the_support(llm: LLM, tiny_llama: str) -> No
     counts = draw_first_tokens(llm, prompt, 1000, temperature=1.0, top_k=5)
     assert set(counts) <= top5, f"top_k=5 sampled {set(counts) - top5}, outside transformers' top 5 {top5}"
     assert set(counts) == top5, "every top-5 token should show up in 1000 draws"
-    assert total_variation(counts, torch.zeros_like(probs).index_copy(0, order[:5], sorted_p[:5] / sorted_p[:5].sum())) < 0.1
+    renormalized = torch.zeros_like(probs).index_copy(0, order[:5], sorted_p[:5] / sorted_p[:5].sum())
+    assert total_variation(counts, renormalized) < 0.1
     # top_p between the cumulative mass of the top 2 and the top 3: exactly the top 3 remain
     cum = sorted_p.cumsum(0)
     top_p = float(cum[1] + cum[2]) / 2
@@ -310,6 +334,20 @@ def test_stop_token_ids(llm: LLM, tiny_llama: str) -> None:
     outs = llm.generate([PROMPT, PROMPT], [greedy_sp(16, stop_token_ids=[stop]), greedy_sp(16)])
     assert outs[0].outputs[0].token_ids == expected[:k + 1] and outs[1].outputs[0].token_ids == expected
     assert outs[1].outputs[0].finish_reason == "length"
+    assert_all_free(llm)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_token_text(llm: LLM, tiny_llama: str) -> None:
+    """As in vLLM: with include_stop_str_in_output=True the text of a stop token (stop_token_ids) is part of the
+    output text; without it, it is not."""
+    tok = llm.get_tokenizer()
+    expected = greedy_of(tiny_llama, tuple(PROMPT))
+    k = first_new_index(expected, 3, tok)
+    stop = expected[k]
+    assert tok.decode(expected[:k + 1]) != tok.decode(expected[:k]), "the stop token has text of its own"
+    comp = llm.generate([PROMPT], greedy_sp(16, stop_token_ids=[stop], include_stop_str_in_output=True))[0].outputs[0]
+    assert comp.token_ids == expected[:k + 1] and comp.finish_reason == "stop" and comp.stop_reason == stop
+    assert comp.text == tok.decode(expected[:k + 1])
     assert_all_free(llm)
 
 
@@ -557,22 +595,28 @@ def test_abort_mid_generation(llm: LLM) -> None:
     engine.add_request("b", PROMPT, greedy_sp(6))
     engine.add_request("c", PROMPTS[1], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=50, ignore_eos=True,
                                                        output_kind=RequestOutputKind.DELTA))
-    streamed = {"a": [], "c": [[], [], []]}
+    engine.add_request("f", PROMPTS[2], SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY))
+    streamed: list[list[int]] = [[], [], []]
     for _ in range(4):
         for o in engine.step():
+            assert o.request_id != "f", "FINAL_ONLY sends nothing before the end"
             if o.request_id == "c":
                 for i, c in enumerate(o.outputs):
-                    streamed["c"][i].extend(c.token_ids)
+                    streamed[i].extend(c.token_ids)
     assert bm.num_free_blocks < bm.num_blocks
     outs = engine.abort_request("a")
     assert len(outs) == 1 and outs[0].request_id == "a" and outs[0].finished
     comp = outs[0].outputs[0]
     assert comp.finish_reason == "abort" and 1 <= len(comp.token_ids) < 50
-    outs = engine.abort_request(["c", "unknown"])
-    assert len(outs) == 1 and outs[0].finished
+    generated = len(comp.token_ids)  # every request was admitted in the first step: as many tokens each
+    outs = engine.abort_request(["c", "unknown", "f"])
+    assert [o.request_id for o in outs] == ["c", "f"] and all(o.finished for o in outs)
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
     for i, c in enumerate(outs[0].outputs):
         assert c.finish_reason == "abort"
-        assert len(streamed["c"][i]) + len(c.token_ids) >= 1
+        assert len(streamed[i]) + len(c.token_ids) == generated, "the abort output carries the rest of the delta"
+    assert outs[1].outputs[0].finish_reason == "abort" and len(outs[1].outputs[0].token_ids) == generated
     assert engine.abort_request("a") == [], "a second abort is a no-op"
     finished = []
     while engine.has_unfinished_requests():
