@@ -48,6 +48,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # totals, for metrics
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -138,7 +139,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             wake = self.scheduler.next_wakeup
-            if wake is not None:  # prefills are being held to batch them: sleep until they are due
+            if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
                 time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
             return []
         logits = self.runner.execute(out.scheduled)

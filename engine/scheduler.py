@@ -90,8 +90,7 @@ class Scheduler:
         """Blocks seq may still need (preemption off: admission keeps room for every running sequence)."""
         sp = seq.request.sampling_params
         longest = min(seq.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len)
-        copies = sp.n if seq.index == 0 and not seq.request.forked else 1
-        return copies * self.bm.blocks_needed(longest) - len(seq.block_table)
+        return self.seats_needed(seq) * self.bm.blocks_needed(longest) - len(seq.block_table)
 
     # ---- the step ------------------------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:

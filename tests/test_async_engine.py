@@ -1,0 +1,100 @@
+"""AsyncLLMEngine: concurrent streams, cancellation frees blocks, bad input fails only its caller."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tiny_models import random_prompts
+
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
+from kvgate.engine.sampling_params import RequestOutputKind
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny_llama: str):
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, scheduler_delay=0.05, max_batch_size=8,
+                                                          enable_preemption=True, num_gpu_blocks_override=64))
+    yield eng
+    eng.shutdown()
+
+
+async def collect(eng: AsyncLLMEngine, rid: str, prompt, **kw) -> list[int]:
+    last = None
+    async for out in eng.generate(prompt, SamplingParams(**{**GREEDY, **kw}), rid):
+        last = out
+    assert last is not None and last.finished
+    return last.outputs[0].token_ids
+
+
+def test_concurrent_streams_match_offline_engine(engine: AsyncLLMEngine, tiny_llama: str) -> None:
+    prompts = random_prompts(12, seed=11, min_len=3, max_len=40)
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(collect(engine, f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)))
+
+    got = asyncio.run(main())
+    ref = LLM(tiny_llama).generate(prompts, SamplingParams(**GREEDY, max_tokens=12))
+    assert got == [o.outputs[0].token_ids for o in ref]
+
+
+def test_cancel_mid_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine, tiny_llama: str) -> None:
+    async def main() -> tuple[int, int, list[str]]:
+        seen = 0
+        gen = engine.generate([5, 6, 7, 8] * 10, SamplingParams(**GREEDY, max_tokens=400,
+                                                                 output_kind=RequestOutputKind.DELTA), "long")
+        async for _ in gen:
+            seen += 1
+            if seen == 3:
+                break
+        await gen.aclose()  # what a server does when the client disconnects
+        assert len(await collect(engine, "after", [9, 10, 11], max_tokens=5)) == 5  # the engine goes on
+        return await engine.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks,
+                                            list(e.requests)))
+
+    free, total, live = asyncio.run(main())
+    assert live == [] and free == total
+
+
+def test_invalid_request_fails_alone_and_engine_keeps_serving(engine: AsyncLLMEngine) -> None:
+    async def main() -> list[int]:
+        with pytest.raises(ValueError, match="maximum context length"):
+            async for _ in engine.generate([3] * 5000, SamplingParams(max_tokens=4), "too-long"):
+                pass
+        with pytest.raises(ValueError, match="empty"):
+            async for _ in engine.generate([], SamplingParams(max_tokens=4), "empty"):
+                pass
+        return await collect(engine, "ok", [4, 5, 6], max_tokens=4)
+
+    assert len(asyncio.run(main())) == 4
+
+
+def test_priority_and_batch_delay_reach_the_scheduler(engine: AsyncLLMEngine) -> None:
+    async def main() -> tuple[int, float | None]:
+        seen: dict[str, tuple[int, float | None]] = {}
+
+        def spy(e) -> None:
+            for req in e.requests.values():
+                seen[req.request_id] = (req.priority, req.max_batch_delay)
+
+        gen = engine.generate([7, 8, 9], SamplingParams(**GREEDY, max_tokens=50), "p", priority=90,
+                              max_batch_delay=0.01)
+        await gen.__anext__()
+        await engine.call(spy)
+        await gen.aclose()
+        return seen["p"]
+
+    assert asyncio.run(main()) == (90, 0.01)
+
+
+def test_load_failure_is_reported() -> None:
+    eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model="no/such/model/dir"))
+
+    async def main() -> None:
+        await eng.wait_until_ready(timeout=30)
+
+    with pytest.raises(Exception, match="model not found"):
+        asyncio.run(main())
+    assert eng.is_dead
