@@ -23,3 +23,17 @@ def test_kvgate_generate_command_prints_the_answer() -> None:
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Paris" in run.stdout
+
+
+def test_kvgate_convert_command_writes_a_loadable_directory(tmp_path) -> None:
+    from kvgate.engine.models.gguf import default_gguf_path
+
+    out = tmp_path / "smollm2"
+    run = subprocess.run([sys.executable, "-m", "kvgate.gateway.cli", "convert", "--input", default_gguf_path(),
+                          "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "100%" in run.stderr  # the progress bar ran to the end
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    llm = LLM(str(out))
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert text.outputs[0].text.strip()
