@@ -1,4 +1,4 @@
-"""The `kvgate` command: generate (offline), convert (GGUF -> HF directory)."""
+"""The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), convert (GGUF -> HF directory)."""
 from __future__ import annotations
 
 import argparse
@@ -44,6 +44,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
+    from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
+    from kvgate.gateway.app import create_app
+    from kvgate.gateway.serving import OpenAIServing
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_args = AsyncEngineArgs(
+        model=args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
+        seed=args.seed, scheduler_delay=args.scheduler_delay, enable_prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
+                                      args.model.rstrip("/").split("/")[-1].removesuffix(".gguf"))
+    engine = AsyncLLMEngine.from_engine_args(engine_args)  # loads on its own thread; /health says "loading"
+    app = create_app({name: OpenAIServing(name, engine)})
+    print(f"[kvgate] serving {name} on http://{args.host}:{args.port}/v1 (loading the model...)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    engine.shutdown()
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from kvgate.engine.models.gguf import convert_gguf_to_hf
 
@@ -56,6 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="kvgate: an OpenAI-compatible LLM gateway with its "
                                      "own paged-KV inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
+    sv = sub.add_parser("serve", help="serve a model over the OpenAI API (chat, completions, streaming)")
+    _engine_flags(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--scheduler-delay", type=float, default=0.0, help="seconds a prefill may wait to be batched")
+    sv.add_argument("--no-prefix-caching", action="store_true")
+    sv.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text offline from a local model")
     _engine_flags(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); chat template applied unless --raw")

@@ -1,0 +1,237 @@
+"""OpenAI chat and completions on top of an AsyncLLMEngine: prompt building, limits, JSON and SSE responses."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from kvgate.engine.async_engine import AsyncLLMEngine
+from kvgate.engine.outputs import Logprob, RequestOutput
+from kvgate.engine.sampling_params import SamplingParams
+from kvgate.gateway.errors import APIError
+from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    """One served model: its engine, tokenizer and limits."""
+
+    def __init__(self, name: str, engine: AsyncLLMEngine) -> None:
+        self.name = name
+        self.engine = engine
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    # ---- prompts and limits ------------------------------------------------------------------------------------
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False,
+                **(req.chat_template_kwargs or {})))
+        except Exception as e:  # a template that rejects this conversation
+            raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return prompt
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
+        limit = self.max_model_len
+        if prompt_len == 0:
+            raise APIError(400, "the prompt is empty: at least one token is needed", "prompt")
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        room = limit - prompt_len
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_len + (max_tokens or 1)
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{asked} tokens ({prompt_len} in the {what}, {max_tokens or 1} in the completion). "
+                                f"Please reduce the length of the {what} or completion.", "max_tokens"
+                           if room >= 1 else what, "context_length_exceeded")
+        return max_tokens if max_tokens is not None else room
+
+    @staticmethod
+    def sampling(req: Any, max_tokens: int) -> SamplingParams:
+        try:
+            return req.to_sampling_params(max_tokens)
+        except ValueError as e:
+            msg = str(e)
+            raise APIError(400, msg, msg.split(" ", 1)[0]) from e
+
+    # ---- streams -------------------------------------------------------------------------------------------------
+    async def _outputs(self, prompt: list[int], sp: SamplingParams, rid: str, priority: int,
+                       delay: float | None) -> AsyncIterator[RequestOutput]:
+        try:
+            async for out in self.engine.generate({"prompt_token_ids": prompt}, sp, rid, priority, delay):
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    async def chat(self, req: ChatCompletionRequest, priority: int, delay: float | None) -> dict | AsyncIterator[str]:
+        prompt = self.chat_prompt(req)
+        max_tokens = self.check_length(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+        sp = self.sampling(req, max_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        outs = self._outputs(prompt, sp, rid, priority, delay)
+        if req.stream:
+            first = await anext_or_none(outs)  # surface invalid input as an HTTP error, before the stream starts
+            return self._chat_stream(req, rid, len(prompt), first, outs)
+        texts, tokens, finish, logprobs = self._empty(req.n)
+        async for out in outs:
+            self._accumulate(out, texts, tokens, finish, logprobs)
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": {"content": self._chat_logprobs(logprobs[i], tokens[i], req.top_logprobs or 0)}
+                    if req.logprobs else None,
+                    "finish_reason": finish[i]} for i in range(req.n)]
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
+                "choices": choices, "usage": usage(len(prompt), sum(len(t) for t in tokens))}
+
+    async def _chat_stream(self, req: ChatCompletionRequest, rid: str, prompt_len: int, first: RequestOutput | None,
+                           outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        created, completion = int(time.time()), 0
+
+        def chunk(choices: list[dict], **extra: Any) -> str:
+            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                        "choices": choices, **extra})
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(req.n)])
+        async for out in prepend(first, outs):
+            choices = []
+            for o in out.outputs:
+                completion += len(o.token_ids)
+                if not o.text and not o.token_ids and o.finish_reason is None:
+                    continue
+                lp = {"content": self._chat_logprobs(o.logprobs or [], o.token_ids, req.top_logprobs or 0)} \
+                    if req.logprobs else None
+                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
+                                "finish_reason": o.finish_reason})
+            if choices:
+                yield chunk(choices)
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], usage=usage(prompt_len, completion))
+        yield sse("[DONE]")
+
+    async def completions(self, req: CompletionRequest, priority: int, delay: float | None) -> dict | AsyncIterator[str]:
+        if req.best_of not in (None, req.n):
+            raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
+        prompts = [self.encode(p) for p in req.prompts()]
+        if req.stream and len(prompts) > 1:
+            raise APIError(400, "streaming supports one prompt per request", "prompt")
+        max_tokens = [self.check_length(len(p), req.max_tokens, "prompt") for p in prompts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            sp = self.sampling(req, max_tokens[0])
+            outs = self._outputs(prompts[0], sp, rid, priority, delay)
+            first = await anext_or_none(outs)
+            return self._completion_stream(req, rid, prompts[0], first, outs)
+        choices, completion = [], 0
+        for k, prompt in enumerate(prompts):
+            sp = self.sampling(req, max_tokens[k])
+            texts, tokens, finish, logprobs = self._empty(req.n)
+            async for out in self._outputs(prompt, sp, f"{rid}-{k}", priority, delay):
+                self._accumulate(out, texts, tokens, finish, logprobs)
+            echo = self.tokenizer.decode(prompt) if req.echo else ""
+            for i in range(req.n):
+                completion += len(tokens[i])
+                choices.append({"index": k * req.n + i, "text": echo + texts[i], "finish_reason": finish[i],
+                                "logprobs": self._completion_logprobs(logprobs[i], tokens[i], req.logprobs or 0)
+                                if req.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
+                "choices": choices, "usage": usage(sum(len(p) for p in prompts), completion)}
+
+    async def _completion_stream(self, req: CompletionRequest, rid: str, prompt: list[int],
+                                 first: RequestOutput | None, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        created, completion, echoed = int(time.time()), 0, set()
+        async for out in prepend(first, outs):
+            choices = []
+            for o in out.outputs:
+                completion += len(o.token_ids)
+                text = o.text
+                if req.echo and o.index not in echoed:
+                    text, _ = self.tokenizer.decode(prompt) + text, echoed.add(o.index)
+                if not text and o.finish_reason is None:
+                    continue
+                choices.append({"index": o.index, "text": text, "finish_reason": o.finish_reason,
+                                "logprobs": self._completion_logprobs(o.logprobs or [], o.token_ids, req.logprobs or 0)
+                                if req.logprobs is not None else None})
+            if choices:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                           "choices": choices})
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                       "choices": [], "usage": usage(len(prompt), completion)})
+        yield sse("[DONE]")
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _empty(n: int) -> tuple[list[str], list[list[int]], list[str | None], list[list]]:
+        return [""] * n, [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
+
+    @staticmethod
+    def _accumulate(out: RequestOutput, texts: list[str], tokens: list[list[int]], finish: list, lps: list) -> None:
+        for o in out.outputs:
+            texts[o.index] += o.text
+            tokens[o.index] += o.token_ids
+            lps[o.index] += o.logprobs or []
+            finish[o.index] = o.finish_reason
+
+    @staticmethod
+    def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int) -> list[dict]:
+        result = []
+        for entry, tid in zip(entries, token_ids):
+            chosen = entry[tid]
+            top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
+            result.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob,
+                           "bytes": list((chosen.decoded_token or "").encode()),
+                           "top_logprobs": [{"token": lp.decoded_token or "", "logprob": lp.logprob,
+                                             "bytes": list((lp.decoded_token or "").encode())} for lp in top]})
+        return result
+
+    @staticmethod
+    def _completion_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int,
+                             offset: int = 0) -> dict:
+        tokens, token_lps, tops, offsets, pos = [], [], [], [], offset
+        for entry, tid in zip(entries, token_ids):
+            tok = entry[tid].decoded_token or ""
+            tokens.append(tok)
+            token_lps.append(entry[tid].logprob)
+            top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
+            tops.append({lp.decoded_token or "": lp.logprob for lp in top})
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def anext_or_none(it: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    try:
+        return await it.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def prepend(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+        if first.finished:
+            return
+    async for out in rest:
+        yield out
+

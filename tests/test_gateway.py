@@ -1,0 +1,173 @@
+"""The OpenAI-compatible gateway through a real uvicorn server on loopback and the real `openai` client."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
+from kvgate.gateway.app import create_app
+from kvgate.gateway.serving import OpenAIServing
+
+MODEL = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dirs: dict[str, str]):
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["qwen3"], max_num_seqs=16,
+                                                             num_gpu_blocks_override=128))
+    app = create_app({MODEL: OpenAIServing(MODEL, engine)})
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    yield base, engine
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+
+MSGS = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_stream_equals_non_stream_and_usage_matches_tokenizer(client: openai.OpenAI, server) -> None:
+    full = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    tok = server[1].engine.tokenizer
+    prompt_ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert full.usage.prompt_tokens == len(prompt_ids) == chunks[-1].usage.prompt_tokens
+    assert full.usage.completion_tokens == 20
+
+
+def test_completions_prompts_echo_n_and_logprobs(client: openai.OpenAI) -> None:
+    one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0, echo=True)
+    assert again.choices[0].text == "The sky is" + one.choices[0].text
+    many = client.completions.create(model=MODEL, prompt=["a b", "c d e"], max_tokens=4, temperature=0, n=2)
+    assert len(many.choices) == 4 and [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert many.usage.completion_tokens == 16
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    lp = client.completions.create(model=MODEL, prompt="hello", max_tokens=5, temperature=0, logprobs=3)
+    assert len(lp.choices[0].logprobs.tokens) == 5
+    # keyed by token text (OpenAI's format), so byte tokens that decode alike may share a key
+    assert all(1 <= len(t) <= 3 for t in lp.choices[0].logprobs.top_logprobs)
+    first = lp.choices[0].logprobs
+    assert first.token_logprobs[0] == pytest.approx(max(first.top_logprobs[0].values()))  # greedy: the top token
+    stream = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8, temperature=0,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == one.choices[0].text
+
+
+def test_chat_logprobs_stop_and_n(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].logprob == max(t.logprob for t in content[0].top_logprobs)  # greedy: the top token
+    text = r.choices[0].message.content
+    stop = text[2:4]
+    cut = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6, temperature=0, stop=[stop])
+    assert cut.choices[0].message.content == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    two = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, n=2, temperature=1.0, seed=3)
+    assert [c.index for c in two.choices] == [0, 1]
+
+
+def test_errors_have_openai_shape_and_status(client: openai.OpenAI, server) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MSGS)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 512 tokens"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100000)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, top_p=1.5)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {}}}}])
+    with pytest.raises(openai.BadRequestError, match="priority"):
+        client.chat.completions.create(model=MODEL, messages=MSGS, extra_headers={"X-Priority": "101"})
+    raw = httpx.post(f"{server[0]}/v1/chat/completions", content=b"{not json",
+                     headers={"content-type": "application/json"})
+    assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("malformed JSON")
+    engine = server[1].engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server) -> None:
+    base, engine = server
+    body = {"model": MODEL, "prompt": "tell me a story", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.time() + 10
+    while time.time() < deadline and engine.engine.requests:
+        time.sleep(0.05)
+    assert not engine.engine.requests
+    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+
+
+def test_many_concurrent_streams_complete(server) -> None:
+    async def main() -> list[str]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0)
+
+        async def one(i: int) -> str:
+            stream = await aclient.completions.create(model=MODEL, prompt=f"number {i}", max_tokens=12,
+                                                      temperature=0, stream=True)
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    assert len(texts) == 32 and all(texts)
+
+
+def test_health_models_version_tokenize_metrics(server, client: openai.OpenAI) -> None:
+    base, engine = server
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base}/version").json()["version"]
+    ids = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "café 日本語"}).json()["tokens"]
+    assert ids == engine.engine.tokenizer.encode("café 日本語")
+    assert httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"] == "café 日本語"
+
+    def gen_tokens() -> float:
+        text = httpx.get(f"{base}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total{"))
+        assert f'model_name="{MODEL}"' in line
+        return float(line.rsplit(" ", 1)[1])
+
+    before = gen_tokens()
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
+    assert gen_tokens() == before + 7
