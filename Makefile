@@ -1,4 +1,4 @@
-# Two entry points for a fresh machine: `make run` (set up, then the main job) and `make test`.
+# Two entry points for a fresh machine: `make run` (set up, then serve the default model) and `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -16,7 +16,7 @@ $(STAMP): requirements.txt pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvgate generate --prompt "What is the capital of France?"
+	$(BIN)/kvgate serve --port $(or $(PORT),8000)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
