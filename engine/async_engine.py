@@ -88,7 +88,8 @@ class AsyncLLMEngine:
         """Stream this request's outputs; raises ValueError for invalid input (nothing is left behind)."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
-        await self.wait_until_ready()
+        if not self.is_ready:
+            await self.wait_until_ready()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -115,6 +116,11 @@ class AsyncLLMEngine:
         finally:
             if not finished:  # cancelled or the consumer stopped early: free its blocks now
                 self.abort(request_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests accepted and not finished (counted on the caller's side, so it is exact at admission)."""
+        return len(self._streams)
 
     def abort(self, request_id: str) -> None:
         def do() -> None:

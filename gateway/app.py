@@ -6,7 +6,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvgate.gateway.errors import APIError, install_error_handlers
+from kvgate.gateway.errors import APIError, error_response, install_error_handlers
 from kvgate.gateway.metrics import render_metrics
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvgate.gateway.serving import OpenAIServing
@@ -43,10 +43,27 @@ def request_batch_delay(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def create_app(servings: dict[str, OpenAIServing]) -> FastAPI:
+def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, max_body_bytes: int = 8 << 20,
+               max_queue_len: int = 1024) -> FastAPI:
+    """`api_key`: Bearer key required on /v1/*, /tokenize and /detokenize; `max_body_bytes`: larger bodies get 413;
+    `max_queue_len`: requests per model beyond the running batch before new ones get 429."""
     app = FastAPI(title="kvgate", version=VERSION)
     app.state.servings = servings
     install_error_handlers(app)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        path = request.url.path
+        if api_key is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            auth = request.headers.get("authorization", "")
+            if auth != f"Bearer {api_key}":
+                return error_response(APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
+                                               None, "invalid_api_key"))
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return error_response(APIError(413, f"request body of {size} bytes is over the limit of "
+                                                f"{max_body_bytes} bytes"))
+        return await call_next(request)
 
     def serving_for(model: str | None) -> OpenAIServing:
         if model is None and len(servings) == 1:
@@ -59,6 +76,10 @@ def create_app(servings: dict[str, OpenAIServing]) -> FastAPI:
             raise APIError(503, f"the engine of `{model}` is not running", "model", headers={"Retry-After": "30"})
         if not s.engine.is_ready:
             raise APIError(503, f"`{model}` is still loading", "model", headers={"Retry-After": "5"})
+        queued = s.engine.num_requests - s.engine.engine.config.max_num_seqs
+        if queued >= max_queue_len:
+            raise APIError(429, f"`{model}` has {queued} requests waiting (limit {max_queue_len}); retry later",
+                           None, "queue_full", headers={"Retry-After": "1"})
         return s
 
     def respond(result: dict | object) -> JSONResponse | StreamingResponse:

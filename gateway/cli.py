@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -62,7 +63,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
                                       args.model.rstrip("/").split("/")[-1].removesuffix(".gguf"))
     engine = AsyncLLMEngine.from_engine_args(engine_args)  # loads on its own thread; /health says "loading"
-    app = create_app({name: OpenAIServing(name, engine)})
+    app = create_app({name: OpenAIServing(name, engine)}, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+                     max_queue_len=args.max_queue_len)
     print(f"[kvgate] serving {name} on http://{args.host}:{args.port}/v1 (loading the model...)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     engine.shutdown()
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--scheduler-delay", type=float, default=0.0, help="seconds a prefill may wait to be batched")
     sv.add_argument("--no-prefix-caching", action="store_true")
+    sv.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"), help="require this Bearer key")
+    sv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests per model before 429")
     sv.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text offline from a local model")
     _engine_flags(g)

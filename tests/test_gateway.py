@@ -171,3 +171,47 @@ def test_health_models_version_tokenize_metrics(server, client: openai.OpenAI) -
     before = gen_tokens()
     client.completions.create(model=MODEL, prompt="hi", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
     assert gen_tokens() == before + 7
+
+
+def test_api_key_body_limit_and_queue_limit(tiny_model_dirs: dict[str, str]) -> None:
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["llama"], max_num_seqs=1))
+    app = create_app({MODEL: OpenAIServing(MODEL, engine)}, api_key="sekret", max_body_bytes=2000, max_queue_len=1)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(engine.wait_until_ready(timeout=60))
+        while not srv.started:
+            time.sleep(0.05)
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
+        assert [m.id for m in good.models.list().data] == [MODEL]
+        assert httpx.get(f"{base}/health").status_code == 200  # health needs no key
+        with pytest.raises(openai.APIStatusError) as big:
+            good.completions.create(model=MODEL, prompt="x" * 5000, max_tokens=1)
+        assert big.value.status_code == 413 and "limit of 2000 bytes" in big.value.message
+
+        async def flood() -> list[int]:
+            aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
+
+            async def one(i: int) -> int:
+                try:
+                    await aclient.completions.create(model=MODEL, prompt=f"n {i}", max_tokens=30, temperature=0,
+                                                     extra_body={"ignore_eos": True})
+                    return 200
+                except openai.RateLimitError as e:
+                    assert e.response.headers["retry-after"]
+                    return 429
+
+            return await asyncio.gather(*(one(i) for i in range(6)))
+
+        codes = asyncio.run(flood())
+        assert 429 in codes and 200 in codes
+        assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
