@@ -215,3 +215,44 @@ def test_api_key_body_limit_and_queue_limit(tiny_model_dirs: dict[str, str]) -> 
         srv.should_exit = True
         thread.join(timeout=10)
         engine.shutdown()
+
+
+def test_x_priority_orders_a_saturated_engine(tiny_model_dirs: dict[str, str]) -> None:
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["llama"], max_num_seqs=1))
+    app = create_app({MODEL: OpenAIServing(MODEL, engine)})
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        asyncio.run(engine.wait_until_ready(timeout=60))
+        while not srv.started:
+            time.sleep(0.05)
+
+        async def main() -> list[str]:
+            aclient = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            done: list[str] = []
+
+            async def one(tag: str, prio: int, tokens: int) -> None:
+                await aclient.completions.create(model=MODEL, prompt=f"req {tag}", max_tokens=tokens,
+                                                 temperature=0, extra_body={"ignore_eos": True},
+                                                 extra_headers={"X-Priority": str(prio)})
+                done.append(tag)
+
+            blocker = asyncio.create_task(one("blocker", 50, 60))  # occupies the only seat
+            while not engine.engine.scheduler.running:
+                await asyncio.sleep(0.01)
+            rest = [asyncio.create_task(one(f"low{i}", 20, 4)) for i in range(3)]
+            await asyncio.sleep(0.05)
+            rest += [asyncio.create_task(one(f"high{i}", 90, 4)) for i in range(3)]
+            await asyncio.gather(blocker, *rest)
+            return done
+
+        order = asyncio.run(main())
+        # the later, more urgent requests preempt the running one and go first; the batch class goes last
+        assert set(order[:3]) == {"high0", "high1", "high2"}, order
+        assert order[3] == "blocker" and set(order[4:]) == {"low0", "low1", "low2"}, order
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
