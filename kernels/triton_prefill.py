@@ -22,7 +22,6 @@ import triton.language as tl
 from kvgate.kernels.triton_decode import attend_tile, cache_slots, dot_precision, use_upcast
 
 
-
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): guesses from register/shared-memory counts of sm_90
     builds (ptxas -v, no spills), to be tuned on the GPU. fp32 (ieee tl.dot on FMAs, not a speed target)
