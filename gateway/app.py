@@ -125,10 +125,8 @@ def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, m
     async def tokenize(req: TokenizeRequest):
         s = serving_for(req.model)
         if req.messages is not None:
-            from kvgate.gateway.protocol import ChatCompletionRequest as _Chat
-
-            ids = s.chat_prompt(_Chat(model=s.name, messages=req.messages,
-                                      add_generation_prompt=req.add_generation_prompt))
+            ids = s.chat_prompt(ChatCompletionRequest(model=s.name, messages=req.messages,
+                                                      add_generation_prompt=req.add_generation_prompt))
         elif req.prompt is not None:
             ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import openai
@@ -24,28 +26,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def running(engine: AsyncLLMEngine, **app_kwargs) -> Iterator[str]:
+    """A real uvicorn server on a loopback port serving `engine` as MODEL, once the engine is loaded."""
+    app = create_app({MODEL: OpenAIServing(MODEL, engine)}, **app_kwargs)
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        asyncio.run(engine.wait_until_ready(timeout=60))
+        while not srv.started:
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{srv.config.port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_dirs: dict[str, str]):
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["qwen3"], max_num_seqs=16,
                                                              num_gpu_blocks_override=128))
-    app = create_app({MODEL: OpenAIServing(MODEL, engine)})
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    yield base, engine
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    with running(engine) as base:
+        yield base, engine
 
 
 @pytest.fixture
@@ -175,16 +179,7 @@ def test_health_models_version_tokenize_metrics(server, client: openai.OpenAI) -
 
 def test_api_key_body_limit_and_queue_limit(tiny_model_dirs: dict[str, str]) -> None:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["llama"], max_num_seqs=1))
-    app = create_app({MODEL: OpenAIServing(MODEL, engine)}, api_key="sekret", max_body_bytes=2000, max_queue_len=1)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(engine.wait_until_ready(timeout=60))
-        while not srv.started:
-            time.sleep(0.05)
+    with running(engine, api_key="sekret", max_body_bytes=2000, max_queue_len=1) as base:
         with pytest.raises(openai.AuthenticationError, match="API key"):
             openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="sekret", max_retries=0)
@@ -211,26 +206,14 @@ def test_api_key_body_limit_and_queue_limit(tiny_model_dirs: dict[str, str]) -> 
         codes = asyncio.run(flood())
         assert 429 in codes and 200 in codes
         assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
 
 
 def test_x_priority_orders_a_saturated_engine(tiny_model_dirs: dict[str, str]) -> None:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["llama"], max_num_seqs=1))
-    app = create_app({MODEL: OpenAIServing(MODEL, engine)})
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        asyncio.run(engine.wait_until_ready(timeout=60))
-        while not srv.started:
-            time.sleep(0.05)
+    with running(engine) as base:
 
         async def main() -> list[str]:
-            aclient = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            aclient = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
             done: list[str] = []
 
             async def one(tag: str, prio: int, tokens: int) -> None:
@@ -252,7 +235,3 @@ def test_x_priority_orders_a_saturated_engine(tiny_model_dirs: dict[str, str]) -
         # the later, more urgent requests preempt the running one and go first; the batch class goes last
         assert set(order[:3]) == {"high0", "high1", "high2"}, order
         assert order[3] == "blocker" and set(order[4:]) == {"low0", "low1", "low2"}, order
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=10)
-        engine.shutdown()
