@@ -1,14 +1,22 @@
-"""The FastAPI app: OpenAI endpoints, health, models, tokenize, metrics; priorities from X-Priority."""
+"""The FastAPI app: OpenAI endpoints through the ModelRouter, health, models, tokenize, metrics; priorities from
+X-Priority. Chat and completion bodies are parsed once as plain JSON here; the embedded backend validates them
+with the pydantic models, and a remote one gets the client's bytes unchanged."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import time
+from typing import Any, Awaitable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvgate.gateway.backends import EmbeddedBackend
 from kvgate.gateway.errors import APIError, error_response, install_error_handlers
 from kvgate.gateway.metrics import render_metrics
-from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvgate.gateway.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvgate.gateway.router import ModelRouter, RoutedRequest
 from kvgate.gateway.serving import OpenAIServing
 
 VERSION = "0.1.0"
@@ -16,12 +24,14 @@ PRIORITY_HEADER = "x-priority"
 BATCH_DELAY_HEADER = "x-max-batch-delay-ms"
 
 
-def request_priority(request: Request, body_priority: int | None) -> int:
+def request_priority(request: Request, body_priority: Any) -> int:
     raw = request.headers.get(PRIORITY_HEADER)
     value: object = body_priority if raw is None else raw
     if value is None:
         return 50
     try:
+        if isinstance(value, (bool, float)):
+            raise TypeError
         prio = int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise APIError(400, f"priority must be an integer in [0, 100], got {value!r}", "priority") from None
@@ -43,79 +53,146 @@ def request_batch_delay(request: Request) -> float | None:
     return ms / 1000.0
 
 
-def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, max_body_bytes: int = 8 << 20,
-               max_queue_len: int = 1024) -> FastAPI:
-    """`api_key`: Bearer key required on /v1/*, /tokenize and /detokenize; `max_body_bytes`: larger bodies get 413;
-    `max_queue_len`: requests per model beyond the running batch before new ones get 429."""
-    app = FastAPI(title="kvgate", version=VERSION)
-    app.state.servings = servings
+class Guard:
+    """API key and body-size checks as plain ASGI (cheaper than an http middleware on every request)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.auth = f"Bearer {api_key}".encode() if api_key is not None else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            headers = dict(scope["headers"])
+            error = None
+            if self.auth is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) \
+                    and headers.get(b"authorization") != self.auth:
+                error = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
+                                 "invalid_api_key")
+            size = headers.get(b"content-length", b"")
+            if error is None and size.isdigit() and int(size) > self.max_body_bytes:
+                error = APIError(413, f"request body of {size.decode()} bytes is over the limit of "
+                                      f"{self.max_body_bytes} bytes")
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """Run `work`, cancelling it if the client goes away first (a non-streamed request has no stream to notice
+    that): the embedded engine then aborts the request, and a remote upstream's connection is closed."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | None = None,
+               max_body_bytes: int = 8 << 20, max_queue_len: int | None = None) -> FastAPI:
+    """`servings`: a ModelRouter, or {name: OpenAIServing} (one embedded deployment each). `api_key`: Bearer key
+    required on /v1/*, /tokenize and /detokenize; `max_body_bytes`: larger bodies get 413; `max_queue_len`:
+    requests per deployment beyond the running batch before new ones get 429."""
+    if isinstance(servings, ModelRouter):
+        router = servings
+    else:
+        router = ModelRouter()
+        for name, s in servings.items():
+            router.add_model(name, s)
+    if max_queue_len is not None:
+        router.max_queue_len = max_queue_len
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="kvgate", version=VERSION, lifespan=lifespan)
+    app.state.router = router
     install_error_handlers(app)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if api_key is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {api_key}":
-                return error_response(APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)",
-                                               None, "invalid_api_key"))
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            return error_response(APIError(413, f"request body of {size} bytes is over the limit of "
-                                                f"{max_body_bytes} bytes"))
-        return await call_next(request)
-
-    def serving_for(model: str | None) -> OpenAIServing:
-        if model is None and len(servings) == 1:
-            model = next(iter(servings))
-        if model not in servings:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(servings)}", "model",
-                           "model_not_found")
-        s = servings[model]
-        if s.engine.is_dead:
-            raise APIError(503, f"the engine of `{model}` is not running", "model", headers={"Retry-After": "30"})
-        if not s.engine.is_ready:
-            raise APIError(503, f"`{model}` is still loading", "model", headers={"Retry-After": "5"})
-        queued = s.engine.num_requests - s.engine.engine.config.max_num_seqs
-        if queued >= max_queue_len:
-            raise APIError(429, f"`{model}` has {queued} requests waiting (limit {max_queue_len}); retry later",
-                           None, "queue_full", headers={"Retry-After": "1"})
-        return s
-
-    def respond(result: dict | object) -> JSONResponse | StreamingResponse:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def generate(request: Request, kind: str) -> Response:
+        raw = await request.body()
+        if len(raw) > max_body_bytes:
+            raise APIError(413, f"request body of {len(raw)} bytes is over the limit of {max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        req = RoutedRequest(kind, body, raw, request.headers, request_priority(request, body.get("priority")),
+                            request_batch_delay(request))
+        if req.stream:
+            return await router.dispatch(req)
+        return await cancel_on_disconnect(request, router.dispatch(req))
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatCompletionRequest, request: Request):
-        if (field := req.unsupported()) is not None:
-            raise APIError(400, f"{field!r} is not supported by kvgate yet", field)
-        s = serving_for(req.model)
-        return respond(await s.chat(req, request_priority(request, req.priority), request_batch_delay(request)))
+    async def chat(request: Request) -> Response:
+        return await generate(request, "chat")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, request: Request):
-        if (field := req.unsupported()) is not None:
-            raise APIError(400, f"{field!r} is not supported by kvgate yet", field)
-        s = serving_for(req.model)
-        return respond(await s.completions(req, request_priority(request, req.priority),
-                                           request_batch_delay(request)))
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completions")
+
+    def embedded_for(model: str | None) -> OpenAIServing:
+        """The first embedded deployment of `model` (for /tokenize and /detokenize)."""
+        if model is None and len(router.models) == 1:
+            model = next(iter(router.models))
+        if model not in router.models:
+            raise APIError(404, f"The model `{model}` does not exist. Available: {', '.join(router.models)}", "model",
+                           "model_not_found")
+        for d in router.models[model]:
+            if isinstance(d.backend, EmbeddedBackend):
+                if d.backend.dead:
+                    raise APIError(503, f"the engine of `{model}` is not running", "model",
+                                   headers={"Retry-After": "30"})
+                if not d.backend.ready:
+                    raise APIError(503, f"`{model}` is still loading", "model", headers={"Retry-After": "5"})
+                return d.backend.serving
+        raise APIError(400, f"`{model}` is served by remote upstreams only; ask them to tokenize", "model")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": s.created, "owned_by": "kvgate",
-             "max_model_len": s.max_model_len if s.engine.is_ready else None} for name, s in servings.items()]}
+        data = []
+        for name, deps in router.models.items():
+            max_len = next((d.backend.serving.max_model_len for d in deps
+                            if isinstance(d.backend, EmbeddedBackend) and d.backend.ready), None)
+            data.append({"id": name, "object": "model", "created": router.created[name], "owned_by": "kvgate",
+                         "max_model_len": max_len, "deployments": len(deps)})
+        for name, route in router.routes.items():
+            data.append({"id": name, "object": "model", "created": min(router.created.values(), default=0),
+                         "owned_by": "kvgate", "route": True, "strategy": route.strategy or router.strategy})
+        return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health():
-        if any(s.engine.is_dead for s in servings.values()):
-            return JSONResponse({"status": "dead"}, status_code=503)
-        if not all(s.engine.is_ready for s in servings.values()):
-            return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": "5"})
-        return {"status": "ok"}
+        status = "ok"
+        for deps in router.models.values():
+            if any(d.backend.ready and not d.backend.dead and d.health.available() for d in deps):
+                continue
+            if any(not d.backend.ready and not d.backend.dead for d in deps):
+                status = "loading" if status == "ok" else status
+            else:
+                status = "dead" if all(d.backend.dead for d in deps) else "unavailable"
+        if status == "ok":
+            return {"status": "ok"}
+        return JSONResponse({"status": status}, status_code=503,
+                            headers={"Retry-After": "5"} if status == "loading" else None)
 
     @app.get("/version")
     async def version():
@@ -123,7 +200,7 @@ def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, m
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        s = serving_for(req.model)
+        s = embedded_for(req.model)
         if req.messages is not None:
             ids = s.chat_prompt(ChatCompletionRequest(model=s.name, messages=req.messages,
                                                       add_generation_prompt=req.add_generation_prompt))
@@ -135,7 +212,7 @@ def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, m
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        s = serving_for(req.model)
+        s = embedded_for(req.model)
         vocab = s.engine.engine.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
@@ -143,6 +220,28 @@ def create_app(servings: dict[str, OpenAIServing], api_key: str | None = None, m
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(servings, time.time()), media_type="text/plain; version=0.0.4")
+        text = render_metrics(router.embedded(), time.time()) + router_metrics(router)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def router_metrics(router: ModelRouter) -> str:
+    """kvgate's router figures per deployment (label model_name, deployment)."""
+    lines = ["# HELP kvgate:router_requests_total Requests the router sent to a deployment.",
+             "# TYPE kvgate:router_requests_total counter"]
+    deps = router.deployments()
+    lab = [f'model_name="{d.model}",deployment="{d.name}"' for d in deps]
+    lines += [f"kvgate:router_requests_total{{{lb}}} {d.stats.requests}" for lb, d in zip(lab, deps)]
+    lines += ["# HELP kvgate:router_failures_total Requests a deployment failed.",
+              "# TYPE kvgate:router_failures_total counter"]
+    lines += [f"kvgate:router_failures_total{{{lb}}} {d.stats.failures}" for lb, d in zip(lab, deps)]
+    lines += ["# HELP kvgate:router_requests_in_flight Requests sent to a deployment and not finished.",
+              "# TYPE kvgate:router_requests_in_flight gauge"]
+    lines += [f"kvgate:router_requests_in_flight{{{lb}}} {len(d.stats.in_flight)}" for lb, d in zip(lab, deps)]
+    lines += ["# HELP kvgate:router_deployment_healthy 1 while a deployment takes traffic, 0 in cooldown.",
+              "# TYPE kvgate:router_deployment_healthy gauge"]
+    lines += [f"kvgate:router_deployment_healthy{{{lb}}} {int(d.health.available())}" for lb, d in zip(lab, deps)]
+    lines += ["# HELP kvgate:router_retries_total Requests sent again after a deployment failed.",
+              "# TYPE kvgate:router_retries_total counter", f"kvgate:router_retries_total {router.retries}"]
+    return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,18 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+def validation_error(e: RequestValidationError | ValidationError) -> APIError:
+    """A pydantic validation failure as a 400 that names the field and what was wrong with it."""
+    first = e.errors()[0] if e.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('msg', '')}", None)
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unsupported field {param!r}: kvgate does not implement it", param)
+    return APIError(400, f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}", param)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError) -> JSONResponse:
@@ -38,16 +51,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        if first.get("type") == "json_invalid":
-            return error_response(APIError(400, f"malformed JSON body: {first.get('msg', '')}", None))
-        if first.get("type") == "extra_forbidden":
-            msg = f"unsupported field {param!r}: kvgate does not implement it"
-        else:
-            msg = f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}"
-        return error_response(APIError(400, msg, param))
+        return error_response(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:

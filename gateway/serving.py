@@ -4,13 +4,15 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.async_engine import AsyncLLMEngine
 from kvgate.engine.outputs import Logprob, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+OnOutput = Callable[[RequestOutput], None]
 
 
 def sse(data: dict | str) -> str:
@@ -73,19 +75,23 @@ class OpenAIServing:
 
     # ---- streams -------------------------------------------------------------------------------------------------
     async def _outputs(self, prompt: list[int], sp: SamplingParams, rid: str, priority: int,
-                       delay: float | None) -> AsyncIterator[RequestOutput]:
+                       delay: float | None, on_output: OnOutput | None) -> AsyncIterator[RequestOutput]:
         try:
             async for out in self.engine.generate({"prompt_token_ids": prompt}, sp, rid, priority, delay):
+                if on_output is not None:
+                    on_output(out)
                 yield out
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    async def chat(self, req: ChatCompletionRequest, priority: int, delay: float | None) -> dict | AsyncIterator[str]:
+    async def chat(self, req: ChatCompletionRequest, priority: int, delay: float | None,
+                   on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
+        """`on_output` sees every engine output (the router learns TTFT and token rates from them)."""
         prompt = self.chat_prompt(req)
         max_tokens = self.check_length(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
         sp = self.sampling(req, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outs = self._outputs(prompt, sp, rid, priority, delay)
+        outs = self._outputs(prompt, sp, rid, priority, delay, on_output)
         if req.stream:
             first = await anext_or_none(outs)  # surface invalid input as an HTTP error, before the stream starts
             return self._chat_stream(req, rid, len(prompt), first, outs)
@@ -125,7 +131,8 @@ class OpenAIServing:
             yield chunk([], usage=usage(prompt_len, completion))
         yield sse("[DONE]")
 
-    async def completions(self, req: CompletionRequest, priority: int, delay: float | None) -> dict | AsyncIterator[str]:
+    async def completions(self, req: CompletionRequest, priority: int, delay: float | None,
+                          on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
         prompts = [self.encode(p) for p in req.prompts()]
@@ -135,14 +142,14 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             sp = self.sampling(req, max_tokens[0])
-            outs = self._outputs(prompts[0], sp, rid, priority, delay)
+            outs = self._outputs(prompts[0], sp, rid, priority, delay, on_output)
             first = await anext_or_none(outs)
             return self._completion_stream(req, rid, prompts[0], first, outs)
         choices, completion = [], 0
         for k, prompt in enumerate(prompts):
             sp = self.sampling(req, max_tokens[k])
             texts, tokens, finish, logprobs = self._empty(req.n)
-            async for out in self._outputs(prompt, sp, f"{rid}-{k}", priority, delay):
+            async for out in self._outputs(prompt, sp, f"{rid}-{k}", priority, delay, on_output):
                 self._accumulate(out, texts, tokens, finish, logprobs)
             echo = self.tokenizer.decode(prompt) if req.echo else ""
             for i in range(req.n):
