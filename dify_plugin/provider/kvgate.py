@@ -1,0 +1,10 @@
+"""The kvgate model provider: every model is added by hand (customizable-model), with its own credentials."""
+from __future__ import annotations
+
+from dify_plugin import ModelProvider
+
+
+class KvgateProvider(ModelProvider):
+    def validate_provider_credentials(self, credentials: dict) -> None:
+        """kvgate has no provider-wide credentials: each model's form (gateway URL, key, limits) is checked by
+        KvgateLargeLanguageModel.validate_credentials when the model is added."""
