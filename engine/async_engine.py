@@ -2,7 +2,8 @@
 
 The event loop never waits on a model step: requests and aborts go to the engine thread through a queue, and
 outputs come back with `call_soon_threadsafe` into one asyncio.Queue per request. Cancelling a stream (client
-gone) aborts its request, which frees its KV blocks on the engine thread's next turn.
+gone) aborts its request, which frees its KV blocks on the engine thread's next turn. After every step the engine
+thread publishes an EngineStats snapshot (`stats`), so readers on other threads never touch live engine state.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvgate.engine.llm_engine import LLMEngine, PromptType
 from kvgate.engine.outputs import RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
+from kvgate.engine.stats import EngineStats, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +39,24 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """False when the caller's event loop is closed (nobody will read this stream again)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            return False
+        return True
 
 
 class AsyncLLMEngine:
-    def __init__(self, args: EngineArgs, start: bool = True) -> None:
+    def __init__(self, args: EngineArgs, start: bool = True,
+                 on_loaded: Callable[["AsyncLLMEngine"], None] | None = None) -> None:
         self.args = args
         self.engine: LLMEngine | None = None
         self.load_error: BaseException | None = None
+        self.load_time: float | None = None  # seconds the load took (set when it is done, failed or not)
+        self.stats: EngineStats | None = None  # the latest snapshot, replaced (never mutated) by the engine thread
+        self._on_loaded = on_loaded
         self._ready = threading.Event()
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -55,9 +66,11 @@ class AsyncLLMEngine:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLMEngine":
-        """Starts loading at once on the engine thread; `is_ready` / `wait_until_ready()` tell when it is done."""
-        return cls(args)
+    def from_engine_args(cls, args: EngineArgs,
+                         on_loaded: Callable[["AsyncLLMEngine"], None] | None = None) -> "AsyncLLMEngine":
+        """Starts loading at once on the engine thread; `is_ready` / `wait_until_ready()` tell when it is done, and
+        `on_loaded(engine)` (if given) is called on the engine thread once the load succeeded or failed."""
+        return cls(args, on_loaded=on_loaded)
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
@@ -94,10 +107,12 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
+        arrival = time.monotonic()  # now, not when the engine thread gets to it: latencies include that wait
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt, sampling_params, priority, max_batch_delay)
+                self.engine.add_request(request_id, prompt, sampling_params, priority, max_batch_delay,
+                                        arrival_time=arrival)
             except Exception as e:  # invalid input: report it to this caller only
                 self._streams.pop(request_id, None)
                 stream.put(e)
@@ -135,36 +150,52 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
 
+        def settle(error: Exception | None, result: Any) -> None:
+            if not fut.done():  # the caller may have given up (cancelled)
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
         def do() -> None:
             try:
-                result = fn(self.engine)
+                outcome: tuple[Exception | None, Any] = (None, fn(self.engine))
             except Exception as e:
-                loop.call_soon_threadsafe(fut.set_exception, e)
-            else:
-                loop.call_soon_threadsafe(fut.set_result, result)
+                outcome = (e, None)
+            try:
+                loop.call_soon_threadsafe(settle, *outcome)
+            except RuntimeError:  # the caller's event loop is closed
+                pass
 
         self._inbox.put(do)
         return fut
 
     # ---- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        t0 = time.perf_counter()
         try:
             self.engine = LLMEngine.from_engine_args(self.args)
+            self.stats = snapshot(self.engine)
         except BaseException as e:  # noqa: BLE001 - reported through is_dead / wait_until_ready
             self.load_error = e
             logger.error("engine failed to load: %s", e)
             return
         finally:
+            self.load_time = time.perf_counter() - t0
             self._ready.set()
+            if self._on_loaded is not None:
+                try:
+                    self._on_loaded(self)
+                except Exception:  # a reporting callback must not kill the engine thread
+                    logger.exception("on_loaded callback failed")
         self.engine.sleep_when_held = False  # wait on the inbox instead, so new requests join the held batch
         while not self._stopped:
             wake = self.engine.scheduler.next_wakeup
             if not self.engine.has_unfinished_requests():
-                self._drain(timeout=0.5)
+                ran = self._drain(timeout=0.5)
             elif wake is not None:
-                self._drain(timeout=max(0.0, wake - time.monotonic()))
+                ran = self._drain(timeout=max(0.0, wake - time.monotonic()))
             else:
-                self._drain(timeout=None)
+                ran = self._drain(timeout=None)
+            if ran:  # new requests, aborts (blocks freed): publish before waiting again
+                self.stats = snapshot(self.engine)
             if self._stopped or not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -172,26 +203,32 @@ class AsyncLLMEngine:
             except Exception as e:  # a failed step fails the requests in it, never the loop
                 logger.exception("engine step failed")
                 self._fail_all(e)
+                self.stats = snapshot(self.engine)
                 continue
+            self.stats = snapshot(self.engine)  # before the outputs go out: a caller that saw them sees the stats
             for out in outputs:
                 stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-                    if out.finished:
-                        del self._streams[out.request_id]
+                if stream is None:
+                    continue
+                delivered = stream.put(out)
+                if not delivered:  # its caller's event loop is gone: nobody reads this stream, stop the request
+                    self.engine.abort_request(out.request_id)
+                if out.finished or not delivered:
+                    del self._streams[out.request_id]
 
-    def _drain(self, timeout: float | None) -> None:
-        """Run every queued call; wait up to `timeout` seconds for the first one (None: do not wait)."""
+    def _drain(self, timeout: float | None) -> bool:
+        """Run every queued call; wait up to `timeout` seconds for the first one (None: do not wait).
+        Returns whether any call ran."""
         try:
             item = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             item()
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.engine.requests):

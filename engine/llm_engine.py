@@ -16,6 +16,7 @@ from kvgate.engine.sampler import Sampler
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
+from kvgate.engine.stats import LatencyStats
 from kvgate.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # totals, for metrics
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
 
     @classmethod
@@ -125,6 +127,7 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
+            self.latency_stats.on_finished(req, time.monotonic(), "abort")
             outs.append(self._make_output(req, force=True))
         return outs
 
@@ -168,13 +171,15 @@ class LLMEngine:
         for row, token, lp in zip(rows, result.token_ids, result.logprobs):
             self._append_token(row, token, lp)
             touched[row.request.request_id] = row.request
-        outputs = []
+        outputs, now = [], time.monotonic()
         for req in touched.values():
+            self.latency_stats.on_tokens(req, now)
             o = self._make_output(req)
             if o is not None:
                 outputs.append(o)
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp: tuple | None) -> None:

@@ -1,52 +1,65 @@
-"""Prometheus text exposition with vLLM's metric names (label model_name), plus kvgate's own."""
+"""Prometheus text exposition with vLLM's metric names (label model_name), plus kvgate's own.
+
+Everything is read from each engine's EngineStats snapshot, which the engine thread replaces after every step:
+the HTTP event loop never touches the scheduler or the block manager while a step mutates them."""
 from __future__ import annotations
 
 from typing import Any
 
+from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME, TIME_TO_FIRST_TOKEN,
+                                 EngineStats)
 
-def _line(name: str, model: str, value: float) -> str:
-    return f'{name}{{model_name="{model}"}} {value}'
+GAUGES = {
+    "vllm:num_requests_running": ("Requests whose sequences are in the running batch.", "num_requests_running"),
+    "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", "num_requests_waiting"),
+    "vllm:kv_cache_usage_perc": ("Share of KV-cache blocks in use (0-1).", "kv_cache_usage_perc"),
+    "kvgate:kv_cache_free_blocks": ("Free KV-cache blocks (cached-free included).", "num_free_blocks"),
+}
+COUNTERS = {
+    "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    "vllm:num_preemptions": ("Sequences preempted (recompute).", "num_preemptions"),
+    "vllm:prompt_tokens": ("Prompt tokens received.", "prompt_tokens"),
+    "vllm:generation_tokens": ("Tokens generated.", "generation_tokens"),
+    "kvgate:engine_steps": ("Engine steps run.", "num_steps"),
+}
+HISTOGRAMS = {
+    TIME_TO_FIRST_TOKEN: "Histogram of time to first token in seconds (arrival to the first token).",
+    INTER_TOKEN_LATENCY: "Histogram of inter-token latency in seconds (between a request's successive steps).",
+    E2E_REQUEST_LATENCY: "Histogram of e2e request latency in seconds (arrival to finish).",
+    REQUEST_QUEUE_TIME: "Histogram of time spent waiting before a request is first scheduled, in seconds.",
+}
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(v: float) -> str:
+    return "+Inf" if v == float("inf") else repr(float(v))
 
 
 def render_metrics(servings: dict[str, Any], now: float) -> str:
-    gauges = {
-        "vllm:num_requests_running": "Requests whose sequences are in the running batch.",
-        "vllm:num_requests_waiting": "Requests waiting to be scheduled.",
-        "vllm:kv_cache_usage_perc": "Share of KV-cache blocks in use (0-1).",
-        "kvgate:kv_cache_free_blocks": "Free KV-cache blocks (cached-free included).",
-    }
-    counters = {
-        "vllm:prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
-        "vllm:prefix_cache_hits": "Prompt tokens found in the prefix cache.",
-        "vllm:num_preemptions": "Sequences preempted (recompute).",
-        "vllm:prompt_tokens": "Prompt tokens received.",
-        "vllm:generation_tokens": "Tokens generated.",
-        "kvgate:engine_steps": "Engine steps run.",
-    }
-    values: dict[str, list[tuple[str, float]]] = {n: [] for n in (*gauges, *counters)}
-    for name, s in servings.items():
-        e = s.engine.engine if s.engine.is_ready else None
-        if e is None:
-            continue
-        bm, sched = e.block_manager, e.scheduler
-        used = sum(1 for b in bm.blocks if b.ref_count > 0)
-        running = {q.request.request_id for q in sched.running}
-        values["vllm:num_requests_running"].append((name, len(running)))
-        values["vllm:num_requests_waiting"].append((name, len({q.request.request_id for q in sched.waiting}
-                                                               - running)))
-        values["vllm:kv_cache_usage_perc"].append((name, used / bm.num_blocks))
-        values["kvgate:kv_cache_free_blocks"].append((name, bm.num_free_blocks))
-        values["vllm:prefix_cache_queries"].append((name, bm.prefix_cache_queries))
-        values["vllm:prefix_cache_hits"].append((name, bm.prefix_cache_hits))
-        values["vllm:num_preemptions"].append((name, sched.num_preemptions))
-        values["vllm:prompt_tokens"].append((name, e.num_prompt_tokens))
-        values["vllm:generation_tokens"].append((name, e.num_generation_tokens))
-        values["kvgate:engine_steps"].append((name, e.num_steps))
+    snaps: list[tuple[str, EngineStats]] = [(_label(name), s.engine.stats) for name, s in servings.items()
+                                            if s.engine.is_ready and s.engine.stats is not None]
     lines: list[str] = []
-    for name, help_text in gauges.items():
+    for name, (help_text, attr) in GAUGES.items():
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-        lines += [_line(name, m, v) for m, v in values[name]]
-    for name, help_text in counters.items():
+        lines += [f'{name}{{model_name="{m}"}} {_number(getattr(st, attr))}' for m, st in snaps]
+    for name, (help_text, attr) in COUNTERS.items():
         lines += [f"# HELP {name}_total {help_text}", f"# TYPE {name}_total counter"]
-        lines += [_line(f"{name}_total", m, v) for m, v in values[name]]
+        lines += [f'{name}_total{{model_name="{m}"}} {_number(getattr(st, attr))}' for m, st in snaps]
+    name = "vllm:request_success_total"
+    lines += [f"# HELP {name} Count of finished requests, by finished_reason (stop, length, abort).",
+              f"# TYPE {name} counter"]
+    for m, st in snaps:
+        lines += [f'{name}{{finished_reason="{_label(r)}",model_name="{m}"}} {_number(n)}'
+                  for r, n in st.request_success.items()]
+    for name, help_text in HISTOGRAMS.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
+        for m, st in snaps:
+            h = st.histograms[name]
+            lines += [f'{name}_bucket{{le="{_number(le)}",model_name="{m}"}} {_number(n)}' for le, n in h.cumulative()]
+            lines += [f'{name}_sum{{model_name="{m}"}} {_number(h.sum)}',
+                      f'{name}_count{{model_name="{m}"}} {_number(h.count)}']
     return "\n".join(lines) + "\n"

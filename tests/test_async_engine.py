@@ -98,3 +98,50 @@ def test_load_failure_is_reported() -> None:
     with pytest.raises(Exception, match="model not found"):
         asyncio.run(main())
     assert eng.is_dead
+
+
+def test_stats_snapshot_records_request_latencies(engine: AsyncLLMEngine) -> None:
+    from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
+                                     TIME_TO_FIRST_TOKEN, snapshot)
+
+    def moved(a, b) -> dict[str, int]:
+        return {k: b.histograms[k].count - a.histograms[k].count for k in b.histograms}
+
+    async def main() -> None:
+        await engine.wait_until_ready(timeout=60)
+        before = engine.stats
+        await asyncio.gather(*(collect(engine, f"s{i}", [3 + i, 4, 5], max_tokens=6) for i in range(4)))
+        done = engine.stats  # published before the last outputs went out
+        h = moved(before, done)
+        assert h[TIME_TO_FIRST_TOKEN] == 4 and h[INTER_TOKEN_LATENCY] == 4 * 5  # one per later token (n=1)
+        assert h[E2E_REQUEST_LATENCY] == h[REQUEST_QUEUE_TIME] == 4
+        assert done.request_success["length"] - before.request_success["length"] == 4
+        assert done.generation_tokens - before.generation_tokens == 24 and done.num_steps > before.num_steps
+        ttft = done.histograms[TIME_TO_FIRST_TOKEN]
+        assert ttft.cumulative()[-1] == (float("inf"), ttft.count) and ttft.sum > 0
+
+        gen = engine.generate([9, 9, 9], SamplingParams(**GREEDY, max_tokens=300), "gone")
+        await gen.__anext__()
+        await gen.aclose()
+        after = await engine.call(snapshot)  # runs on the engine thread after the abort
+        assert after.request_success["abort"] - done.request_success["abort"] == 1
+        assert moved(done, after)[E2E_REQUEST_LATENCY] == 0  # a client that left is not timed
+        assert after.num_free_blocks == after.num_blocks and after.num_requests_running == 0
+
+    asyncio.run(main())
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine: AsyncLLMEngine) -> None:
+    loop = asyncio.new_event_loop()
+    gen = engine.generate([4, 4, 4], SamplingParams(**GREEDY, max_tokens=300), "orphan")
+    loop.run_until_complete(gen.__anext__())
+    loop.close()  # no aclose(): the engine keeps producing outputs for a loop that is gone
+
+    async def main() -> tuple[list[int], list[str], int, int]:
+        tokens = await asyncio.wait_for(collect(engine, "next", [5, 6], max_tokens=4), timeout=60)
+        state = await engine.call(lambda e: (list(e.requests), e.block_manager.num_free_blocks,
+                                             e.block_manager.num_blocks))
+        return tokens, *state
+
+    tokens, live, free, total = asyncio.run(main())
+    assert len(tokens) == 4 and live == [] and free == total  # the orphan was aborted, its blocks freed
