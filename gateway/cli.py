@@ -5,17 +5,25 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from kvgate.gateway.config import GatewayConfig
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF dir or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--load-format", default="auto", help="auto | safetensors | gguf | dummy")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--attention-backend", default=None)
-    p.add_argument("--seed", type=int, default=0)
+def _engine_flags(p: argparse.ArgumentParser, given_only: bool = False) -> None:
+    """given_only: flags the user did not give stay out of the namespace (serve: they must not override the file)."""
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if given_only else value
+
+    p.add_argument("--model", default=default(None), help="local HF dir or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=default("auto"), help="auto | float32 | bfloat16 | float16 (default: auto)")
+    p.add_argument("--load-format", default=default("auto"), help="auto | safetensors | gguf | dummy (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=default(None), help="default: the model's")
+    p.add_argument("--block-size", type=int, default=default(16), help="16 | 32 | 64 (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=default(256), help="sequences per step (default: 256)")
+    p.add_argument("--attention-backend", default=default(None), help="default: triton on CUDA, torch on CPU")
+    p.add_argument("--seed", type=int, default=default(0))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +53,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The serve options the user gave on the command line (by config key), which override the config file."""
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    if "api_key" not in given and os.environ.get("KVGATE_API_KEY"):
+        given["api_key"] = os.environ["KVGATE_API_KEY"]
+    return given
+
+
+def check_servable(cfg: "GatewayConfig") -> None:
+    """Until the ModelRouter (issue 5) exists, serve runs embedded models only, one deployment each."""
+    from kvgate.gateway.config import ConfigError
+
+    what = None
+    for i, m in enumerate(cfg.models):
+        if any(d.is_remote for d in m.deployments):
+            what = f"models[{i}] ({m.name!r}) has url: deployments (remote upstreams)"
+        elif len(m.deployments) > 1:
+            what = f"models[{i}] ({m.name!r}) has {len(m.deployments)} deployments"
+        if what:
+            break
+    if what is None and cfg.routes:
+        what = f"routes ({', '.join(r.name for r in cfg.routes)}) are configured"
+    if what is None and cfg.router.fallbacks:
+        what = "router.fallbacks are configured"
+    if what is not None:
+        raise ConfigError(f"{cfg.source or 'config'}: {what}, which needs the ModelRouter (issue 5), not built yet; "
+                          f"for now kvgate serve runs embedded models (model: a local directory or .gguf), one "
+                          f"deployment each")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvgate.gateway.config import load_config
+
+    cfg = load_config(args.config, serve_overrides(args))  # ConfigError: exit status 2 with the key and reason
+    check_servable(cfg)
+
     import logging
 
     import uvicorn
@@ -56,18 +99,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.gateway.serving import OpenAIServing
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_args = AsyncEngineArgs(
-        model=args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-        seed=args.seed, scheduler_delay=args.scheduler_delay, enable_prefix_caching=not args.no_prefix_caching)
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
-                                      args.model.rstrip("/").split("/")[-1].removesuffix(".gguf"))
-    engine = AsyncLLMEngine.from_engine_args(engine_args)  # loads on its own thread; /health says "loading"
-    app = create_app({name: OpenAIServing(name, engine)}, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-                     max_queue_len=args.max_queue_len)
-    print(f"[kvgate] serving {name} on http://{args.host}:{args.port}/v1 (loading the model...)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    engine.shutdown()
+
+    def report(name: str) -> "Callable[[AsyncLLMEngine], None]":
+        def on_loaded(engine: AsyncLLMEngine) -> None:
+            if engine.load_error is not None:
+                print(f"[kvgate] {name}: failed to load after {engine.load_time:.1f}s: {engine.load_error}",
+                      file=sys.stderr, flush=True)
+            else:
+                e = engine.engine
+                print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {e.config.device} "
+                      f"({e.block_manager.num_blocks} KV blocks of {e.config.args.block_size} tokens)",
+                      file=sys.stderr, flush=True)
+        return on_loaded
+
+    servings: dict[str, OpenAIServing] = {}
+    for m in cfg.models:
+        engine_args = m.deployments[0].engine_args
+        print(f"[kvgate] {m.name}: loading {engine_args.get('model') or DEFAULT_MODEL_NAME} ...", file=sys.stderr,
+              flush=True)
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine_args, served_model_name=m.name),
+                                                 on_loaded=report(m.name))  # loads on its own thread
+        servings[m.name] = OpenAIServing(m.name, engine)
+    app = create_app(servings, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, max_queue_len=cfg.max_queue_len)
+    print(f"[kvgate] serving {', '.join(servings)} on http://{cfg.host}:{cfg.port}/v1 "
+          f"(/health answers 503 loading until every model is ready)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
+    finally:
+        for s in servings.values():
+            s.engine.shutdown()
     return 0
 
 
@@ -83,16 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="kvgate: an OpenAI-compatible LLM gateway with its "
                                      "own paged-KV inference engines")
     sub = parser.add_subparsers(dest="command", required=True)
-    sv = sub.add_parser("serve", help="serve a model over the OpenAI API (chat, completions, streaming)")
-    _engine_flags(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--served-model-name", default=None)
-    sv.add_argument("--scheduler-delay", type=float, default=0.0, help="seconds a prefill may wait to be batched")
-    sv.add_argument("--no-prefix-caching", action="store_true")
-    sv.add_argument("--api-key", default=os.environ.get("KVGATE_API_KEY"), help="require this Bearer key")
-    sv.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests per model before 429")
+    sv = sub.add_parser("serve", help="serve models over the OpenAI API (chat, completions, streaming)",
+                        description="Flags override the config file (only the flags given); engine flags apply to "
+                                    "every embedded model.", argument_default=argparse.SUPPRESS)
+    sv.add_argument("--config", default=None, help="config.yaml: models, engine args, server options")
+    _engine_flags(sv, given_only=True)
+    sv.add_argument("--host", help="default: 127.0.0.1")
+    sv.add_argument("--port", type=int, help="default: 8000")
+    sv.add_argument("--served-model-name", help="the model id clients send (default: from the model path)")
+    sv.add_argument("--scheduler-delay", type=float, help="seconds a prefill may wait to be batched (default: 0)")
+    sv.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    sv.add_argument("--api-key", help="require this Bearer key (default: $KVGATE_API_KEY, else none)")
+    sv.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default: 8 MiB)")
+    sv.add_argument("--max-queue-len", type=int, help="waiting requests per model before 429 (default: 1024)")
     sv.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text offline from a local model")
     _engine_flags(g)
