@@ -90,14 +90,16 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> R
 
     watcher = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
-    if task.cancelled():
-        return Response(status_code=499)  # nobody reads it
-    return task.result()
+    if task in done:
+        return task.result()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await task  # let the cancelled work clean up (abort, close the upstream connection)
+    return Response(status_code=499)  # nobody reads it
 
 
 def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | None = None,

@@ -113,8 +113,9 @@ class EmbeddedBackend:
 
     async def handle(self, req: "RoutedRequest", timing: RequestTiming) -> Response:
         cls = ChatCompletionRequest if req.kind == "chat" else CompletionRequest
+        body = req.body if req.body.get("model") == req.model else {**req.body, "model": req.model}
         try:
-            parsed = cls.model_validate(req.body)
+            parsed = cls.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
         if (field := parsed.unsupported()) is not None:
@@ -237,7 +238,8 @@ class RemoteBackend:
             await r.aclose()
             raise
         timing.first_token = time.monotonic()
-        return ProxyStream(relay(first, chunks, timing), r.headers.get("content-type"), on_close=[lambda _: r.aclose()])
+        return ProxyStream(relay(first, chunks, timing), r.headers.get("content-type"),
+                           on_close=[lambda _: r.aclose()])
 
     async def check(self) -> None:
         try:
