@@ -20,3 +20,41 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory dify-test
+
+# ---- the Dify plugin (dify_plugin/) -----------------------------------------------------------------------------
+# Its tests run in venvs of their own and their own pytest process (the Dify SDK gevent-patches the process that
+# imports it, and pins other versions of kvgate's dependencies): dify_plugin 0.7.4 on Python 3.11 always, 0.10.2
+# on Python 3.12 when one is found. The kvgate gateways they test against run from .venv.
+DIFY_VENV ?= .venv-dify
+DIFY312_VENV ?= .venv-dify312
+DIFY_PY ?= $(shell sh tests/dify/find-python.sh 3.11)
+DIFY312_PY ?= $(shell sh tests/dify/find-python.sh 3.12)
+DIFY_REQS := dify_plugin/requirements.txt tests/dify/requirements.txt
+DIFY_PYTEST := -m pytest -q -p no:cacheprovider -p no:anyio --confcutdir=tests/dify tests/dify
+
+$(DIFY_VENV)/.installed: $(DIFY_REQS) tests/dify/constraints-py311.txt
+	@test -n "$(DIFY_PY)" || { echo "the dify_plugin 0.7.4 tests need a python3.11 (set DIFY_PY=...)"; exit 1; }
+	test -x $(DIFY_VENV)/bin/python || $(DIFY_PY) -m venv $(DIFY_VENV)
+	$(DIFY_VENV)/bin/python -m pip install -q $(addprefix -r ,$(DIFY_REQS)) -c tests/dify/constraints-py311.txt
+	touch $@
+
+$(DIFY312_VENV)/.installed: $(DIFY_REQS) tests/dify/constraints-py312.txt
+	@test -n "$(DIFY312_PY)" || { echo "no python3.12 found (set DIFY312_PY=...)"; exit 1; }
+	test -x $(DIFY312_VENV)/bin/python || $(DIFY312_PY) -m venv $(DIFY312_VENV)
+	$(DIFY312_VENV)/bin/python -m pip install -q $(addprefix -r ,$(DIFY_REQS)) -c tests/dify/constraints-py312.txt
+	touch $@
+
+.PHONY: dify-package dify-test dify-test-311 dify-test-312
+dify-package: $(STAMP)
+	$(BIN)/python -m kvgate.gateway.dify_package --out-dir dist
+
+dify-test: dify-test-311
+	@if [ -n "$(DIFY312_PY)" ]; then $(MAKE) --no-print-directory dify-test-312; \
+	else echo "no python3.12 found: the dify_plugin 0.10.x tests did not run"; fi
+
+dify-test-311: $(STAMP) $(DIFY_VENV)/.installed
+	KVGATE_PYTHON=$(abspath $(BIN))/python $(DIFY_VENV)/bin/python $(DIFY_PYTEST)
+
+dify-test-312: $(STAMP) $(DIFY312_VENV)/.installed
+	KVGATE_PYTHON=$(abspath $(BIN))/python $(DIFY312_VENV)/bin/python $(DIFY_PYTEST)

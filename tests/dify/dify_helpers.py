@@ -1,0 +1,51 @@
+"""Small helpers of the Dify plugin tests (dify venv only): credentials as Dify's form sends them, prompts with a
+unique marker (to find a request in the engine's record), calls straight to the gateway to compare with."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from dify_plugin.entities.model.llm import LLMResultChunk, LLMUsage
+from dify_plugin.entities.model.message import PromptMessage, SystemPromptMessage, UserPromptMessage
+
+REPO = Path(__file__).resolve().parents[2]
+PLUGIN_DIR = REPO / "dify_plugin"
+MODEL = "tiny"  # the name kvgate_server.py serves the tiny model under
+CONTEXT = 512  # the tiny model's context length
+
+
+def credentials(url: str, **overrides: Any) -> dict[str, str]:
+    """A model's credentials the way Dify sends them: every value a string."""
+    form = {"vllm_endpoint": url, "mode": "chat", "context_size": str(CONTEXT), "max_tokens_to_sample": "256",
+            "timeout": "60", "max_batch_delay": "50", "priority": "50"}
+    form.update({k: str(v) for k, v in overrides.items()})
+    return form
+
+
+def marker() -> str:
+    return f"marker{uuid.uuid4().hex[:10]}"
+
+
+def prompt(text: str) -> list[PromptMessage]:
+    return [SystemPromptMessage(content="be brief"), UserPromptMessage(content=text)]
+
+
+def openai_messages(text: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}]
+
+
+def gateway_post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's own answer, with no batching hold (the main gateway holds requests 30 s by default)."""
+    response = httpx.post(url + path, json=body, headers={"X-Max-Batch-Delay-Ms": "0"}, timeout=60)
+    response.raise_for_status()
+    return response.json()
+
+
+def joined(chunks: Iterable[LLMResultChunk]) -> tuple[str, LLMUsage | None, str | None, int]:
+    """(text, usage of the last chunk, finish reason of the last chunk, number of chunks)."""
+    chunks = list(chunks)
+    text = "".join(c.delta.message.content or "" for c in chunks)
+    return text, chunks[-1].delta.usage, chunks[-1].delta.finish_reason, len(chunks)
