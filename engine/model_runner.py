@@ -1,6 +1,7 @@
 """ModelRunner: owns the model and the paged KV cache; turns a scheduled batch into step tensors and logits."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -8,7 +9,9 @@ import torch
 from torch import nn
 
 from kvgate.engine.config import EngineConfig
+from kvgate.engine.cuda_graph import DecodeGraphs
 from kvgate.engine.forward_context import forward_context
+from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
 from kvgate.engine.sequence import Sequence
 from kvgate.kernels.cpu_linear import can_pack, pack_linears
@@ -57,6 +60,18 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        if self.device.type == "cuda" and config.attention_backend == "triton":
+            use_fused_ops(self.model)  # the GPU path: fused RMSNorm / rotary / SiLU-and-mul kernels too
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.args.enforce_eager and config.attention_backend == "triton":
+            from kvgate.kernels.triton_decode import graph_partition_size
+
+            self.graphs = DecodeGraphs(
+                self.model, self.attention_fn, config.max_num_seqs, config.max_model_len, self.block_size,
+                mc.hidden_size, config.dtype, self.device,
+                functools.partial(graph_partition_size, num_kv_heads=mc.num_key_value_heads,
+                                  max_model_len=config.max_model_len, device=self.device))
+            self.graphs.capture()
 
     @property
     def block_bytes(self) -> int:
@@ -153,8 +168,13 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one step; returns float32 logits for every sequence whose tokens are now all computed."""
         input_ids, positions, md, rows = self.prepare(scheduled)
-        with forward_context(md, self.attention_fn):
-            hidden = self.model(input_ids, positions)
+        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
+            hidden = self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables)
+        else:
+            with forward_context(md, self.attention_fn):
+                hidden = self.model(input_ids, positions)
         if not rows:
             return hidden.new_empty((0, self.config.model_config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        return self.model.compute_logits(hidden)

@@ -23,6 +23,8 @@ class AttentionMetadata:
     # host copies, so that CPU-side loops need no device sync
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # decode split-K partition size fixed by the caller (CUDA graphs: no host lengths); None: chosen per step
+    decode_partition_size: int | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -32,7 +32,8 @@ def triton_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     nd = md.num_decodes
     if nd:
         max_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else md.max_seq_len
-        paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_len, out=out[:nd])
+        paged_decode(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_len, out=out[:nd],
+                     partition_size=md.decode_partition_size)
     if nd < md.num_seqs:
         paged_prefill(q, k, v, k_cache, v_cache, md.block_tables[nd:], md.query_start_loc[nd:], md.seq_lens[nd:],
                       md.max_query_len, scale, out=out)

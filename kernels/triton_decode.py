@@ -21,11 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Knobs for the partitioning rule (guesses until measured on the GPU): aim for PROGRAMS_PER_SM programs per
-# SM, but never cut a sequence into partitions shorter than MIN_PARTITION_TOKENS or into more than
-# MAX_PARTITIONS pieces.
-PROGRAMS_PER_SM = 2
-MIN_PARTITION_TOKENS = 256
+# Knobs for the partitioning rule: split sequences only when the batch gives fewer than SPLIT_BELOW programs
+# per SM; then aim for PROGRAMS_PER_SM programs per SM, but never cut a sequence into partitions shorter than
+# MIN_PARTITION_TOKENS or into more than MAX_PARTITIONS pieces. Set from a sweep on the H200
+# (benchmarks/kernels.py --sweep): at batch 1-4 the fastest partition sizes gave ~4 programs per SM, while
+# splitting a batch that already gives 4 per SM (64 sequences x 8 KV heads) made it slower.
+SPLIT_BELOW = 2
+PROGRAMS_PER_SM = 4
+MIN_PARTITION_TOKENS = 128
 MAX_PARTITIONS = 64
 FALLBACK_NUM_SMS = 132  # not on CUDA (the interpreter): pretend to be an H200
 DECODE_TILE_N = 64  # tokens per K/V tile
@@ -200,11 +203,22 @@ def choose_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     programs = num_seqs * num_kv_heads
     target = PROGRAMS_PER_SM * _num_sms(device)
     parts = 1
-    if programs < target:
+    if programs < SPLIT_BELOW * _num_sms(device):
         parts = min(triton.cdiv(target, programs), max_seq_len // MIN_PARTITION_TOKENS, MAX_PARTITIONS)
         parts = max(parts, 1)
     size = triton.cdiv(triton.cdiv(max_seq_len, parts), tile_n) * tile_n
     return triton.cdiv(max_seq_len, size), size
+
+
+def graph_partition_size(num_seqs: int, num_kv_heads: int, max_model_len: int, device: torch.device) -> int:
+    """A partition size that serves every context up to max_model_len without host lengths (CUDA graphs):
+    one partition when num_seqs * num_kv_heads programs fill the GPU, else the smallest size that keeps the
+    partitions of a max_model_len context at most MAX_PARTITIONS (and at least 2 * MIN_PARTITION_TOKENS)."""
+    tile = DECODE_TILE_N
+    if num_seqs * num_kv_heads >= SPLIT_BELOW * _num_sms(device):
+        return triton.cdiv(max_model_len, tile) * tile
+    size = max(2 * MIN_PARTITION_TOKENS, triton.cdiv(max_model_len, MAX_PARTITIONS))
+    return triton.cdiv(size, tile) * tile
 
 
 def interpreted() -> bool:
