@@ -11,15 +11,32 @@ from torch import nn
 from kvgate.engine.forward_context import get_forward_context
 
 
+def fused_ops() -> Any:
+    """kvgate.kernels.triton_fused, imported on first use (it imports triton)."""
+    from kvgate.kernels import triton_fused
+
+    return triton_fused
+
+
+def use_fused_ops(model: nn.Module, on: bool = True) -> None:
+    """Run RMSNorm, rotary and SiLU-and-mul through the fused Triton kernels (the GPU path); off: torch."""
+    for m in model.modules():
+        if hasattr(m, "fused"):
+            m.fused = on
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """With `residual`: returns (norm(x + residual), x + residual)."""
+        if self.fused:
+            return fused_ops().rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -60,8 +77,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (positions, cos, sin)
+        self.fused = False
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused: rotates q and k in place."""
+        if self.fused:
+            return fused_ops().rotary(positions, q, k, self.cos, self.sin)
         if self._step is None or self._step[0] is not positions:  # one lookup per step, shared by all layers
             cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, d/2]
             sin = self.sin[positions].unsqueeze(1).to(q.dtype)

@@ -7,7 +7,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from kvgate.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, silu_and_mul
+from kvgate.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, fused_ops, silu_and_mul
 from kvgate.engine.models.model_config import ModelConfig
 
 
@@ -42,9 +42,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        act = fused_ops().silu_and_mul if self.fused else silu_and_mul
+        return self.down_proj(act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,0 +1,125 @@
+"""Fused Triton kernels for the small ops between the matmuls (twins: the torch code in engine/models/layers.py).
+
+An eager decode layer spends more GPU time in a dozen tiny elementwise kernels (casts, powers, means, rotary
+halves, concatenations) than in its attention at short contexts; each op below is one kernel instead:
+- rms_norm: y = weight * normalize(x) in fp32, optionally adding the residual first (and returning the sum),
+  over rows of a [rows, groups, dim] view, so that q/k head norms run on the strided q/k views too;
+- rotary: neox-style rotary embedding of q and k in place, cos/sin read at each token's position (fp32),
+  with no per-step cos/sin gather;
+- silu_and_mul: silu(gate) * up of a [tokens, 2 * inter] activation.
+Everything is computed in fp32 and rounded once at the store. TRITON_INTERPRET=1 must be set before this
+module is first imported for the kernels to run on the CPU (tests).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvgate.kernels.triton_decode import row_sum  # builtins only: see triton_decode's note on the interpreter
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_xr, stride_xg, stride_rr, stride_or,
+                     stride_og, dim, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_xr + grp * stride_xg + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # x + residual, rounded to the activation dtype as the unfused code does
+        r = tl.load(res_ptr + row * stride_rr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_rr + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    var = row_sum(x * x, 0) / dim
+    y = (x * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_or + grp * stride_og + offs, (w.to(tl.float32) * y.to(tl.float32)).to(
+        out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [rows, dim] or [rows, groups, dim] (last dim contiguous). With residual [rows, dim]: returns
+    (norm(x + residual), x + residual), the sum written into a new tensor."""
+    x3 = x if x.dim() == 3 else x[:, None, :]
+    rows, groups, dim = x3.shape
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    out = torch.empty((rows, groups, dim), dtype=x.dtype, device=x.device)
+    res_out = res = out  # unused without a residual
+    if residual is not None:
+        if groups != 1 or residual.stride(-1) != 1 or residual.shape != (rows, dim):
+            raise ValueError("a residual needs x and residual of the same [rows, dim] shape, last dim contiguous")
+        res = residual
+        res_out = torch.empty_like(residual)
+        if res_out.stride(0) != res.stride(0):
+            res = res.contiguous()
+    if rows:
+        _rms_norm_kernel[(rows, groups)](
+            x3, res, weight, out, res_out, x3.stride(0), x3.stride(1), res.stride(0), out.stride(0), out.stride(1),
+            dim, eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            num_warps=4 if dim >= 1024 else 1)
+    out = out.view(x.shape)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_cs, num_heads,
+                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+    cos = tl.load(cos_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    p1 = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, h, d] and k [T, kvh, d] IN PLACE (they may be strided views, e.g. of the qkv projection)
+    by the angles of `positions` [T]; cos/sin: [max_pos, d/2] fp32. Returns (q, k)."""
+    out = []
+    for x in (q, k):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        t, heads, d = x.shape
+        if t:
+            _rotary_kernel[(t,)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0), heads,
+                                 HALF=d // 2, HEADS_PAD=triton.next_power_of_2(heads),
+                                 HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
+        out.append(x)
+    return out[0], out[1]
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + t * stride_xt + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * stride_xt + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * inter] -> silu(x[:, :inter]) * x[:, inter:]."""
+    t, two_inter = x.shape
+    inter = two_inter // 2
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((t, inter), dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    if t:
+        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter, BLOCK=block,
+                                                              num_warps=4)
+    return out
