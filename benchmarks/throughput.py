@@ -37,12 +37,16 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
         kw["attention_backend"] = args.attention_backend
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
+    if args.enforce_eager:
+        kw["enforce_eager"] = True
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
     reqs = workload(args, llm.engine.config.model_config.vocab_size)
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True, seed=i) for i, (_, n) in enumerate(reqs)]
+    # unseeded, as vLLM's and nano-vllm's benchmarks sample (a seeded request draws its own noise row by row)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for _, n in reqs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))  # warm-up
+    timers = attach_step_timers(llm.engine) if args.profile else None
     if llm.engine.config.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -53,11 +57,64 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     assert out_tokens == sum(n for _, n in reqs), "every request must produce exactly its max_tokens"
     cfg = llm.engine.config
-    return {"engine": f"kvgate ({cfg.attention_backend})", "dtype": str(cfg.dtype).replace("torch.", ""),
+    if timers is not None:
+        print_step_profile(timers, secs)
+    if args.torch_profile:
+        torch_profile(llm, reqs)
+    graphs = "eager" if getattr(llm.engine.runner, "graphs", None) is None else "cuda graphs"
+    return {"engine": f"kvgate ({cfg.attention_backend}, {graphs})", "dtype": str(cfg.dtype).replace("torch.", ""),
             "requests": len(reqs), "output_tokens": out_tokens, "seconds": round(secs, 2),
             "output_tok_s": round(out_tokens / secs, 1),
             "total_tok_s": round((out_tokens + sum(len(p) for p, _ in reqs)) / secs, 1),
             "load_s": round(load_s, 1)}, reqs
+
+
+class _Timed:
+    """Wraps a callable and adds its (GPU-synchronised) wall time to timers[name]."""
+
+    def __init__(self, fn, timers: dict, name: str, sync: bool) -> None:
+        self.fn, self.timers, self.name, self.sync = fn, timers, name, sync
+
+    def __call__(self, *a, **kw):
+        t0 = time.perf_counter()
+        out = self.fn(*a, **kw)
+        if self.sync:
+            torch.cuda.synchronize()
+        self.timers[self.name] = self.timers.get(self.name, 0.0) + time.perf_counter() - t0
+        return out
+
+
+def attach_step_timers(engine) -> dict:
+    """Time the phases of every step: schedule, prepare (host tensors), forward (+ logits), sample, and the
+    step as a whole (the rest is output handling). Synchronises the GPU after each phase (a little slower)."""
+    timers: dict = {}
+    sync = engine.config.device.type == "cuda"
+    engine.scheduler.schedule = _Timed(engine.scheduler.schedule, timers, "schedule", False)
+    engine.runner.prepare = _Timed(engine.runner.prepare, timers, "prepare", sync)
+    engine.runner.execute = _Timed(engine.runner.execute, timers, "execute", sync)
+    engine.sampler = _Timed(engine.sampler, timers, "sample", sync)
+    engine.step = _Timed(engine.step, timers, "step", False)
+    return timers
+
+
+def print_step_profile(timers: dict, secs: float) -> None:
+    step = timers.get("step", 0.0)
+    parts = {"schedule": timers.get("schedule", 0.0), "prepare": timers.get("prepare", 0.0),
+             "forward": timers.get("execute", 0.0) - timers.get("prepare", 0.0), "sample": timers.get("sample", 0.0)}
+    parts["outputs"] = step - sum(parts.values())
+    parts["outside step"] = secs - step
+    print("# where the time goes (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+
+
+def torch_profile(llm, reqs: list[tuple[list[int], int]]) -> None:
+    """The GPU kernels of a short run (the first 64 requests, 32 output tokens each), by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.6, max_tokens=32, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([p for p, _ in reqs[:64]], params)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 def run_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]], dtype: torch.dtype) -> dict:
@@ -112,6 +169,9 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--profile", action="store_true", help="print where the step time goes")
+    ap.add_argument("--torch-profile", action="store_true", help="print the top GPU kernels of a short run")
     ap.add_argument("--compare-hf", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
