@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI endpoints through the ModelRouter, health, models, tokenize, metrics; priorities from
+"""The app: OpenAI endpoints through the ModelRouter, health, models, tokenize, metrics; priorities from
 X-Priority. Chat and completion bodies are parsed once as plain JSON here; the embedded backend validates them
 with the pydantic models, and a remote one gets the client's bytes unchanged."""
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Mapping
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvgate.gateway.backends import EmbeddedBackend
@@ -19,13 +20,15 @@ from kvgate.gateway.protocol import ChatCompletionRequest, DetokenizeRequest, To
 from kvgate.gateway.router import ModelRouter, RoutedRequest
 from kvgate.gateway.serving import OpenAIServing
 
+logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
+GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 PRIORITY_HEADER = "x-priority"
 BATCH_DELAY_HEADER = "x-max-batch-delay-ms"
 
 
-def request_priority(request: Request, body_priority: Any) -> int:
-    raw = request.headers.get(PRIORITY_HEADER)
+def request_priority(headers: Mapping[str, str], body_priority: Any) -> int:
+    raw = headers.get(PRIORITY_HEADER)
     value: object = body_priority if raw is None else raw
     if value is None:
         return 50
@@ -40,8 +43,8 @@ def request_priority(request: Request, body_priority: Any) -> int:
     return prio
 
 
-def request_batch_delay(request: Request) -> float | None:
-    raw = request.headers.get(BATCH_DELAY_HEADER)
+def request_batch_delay(headers: Mapping[str, str]) -> float | None:
+    raw = headers.get(BATCH_DELAY_HEADER)
     if raw is None:
         return None
     try:
@@ -53,39 +56,83 @@ def request_batch_delay(request: Request) -> float | None:
     return ms / 1000.0
 
 
-class Guard:
-    """API key and body-size checks as plain ASGI (cheaper than an http middleware on every request)."""
+class GatewayApp(FastAPI):
+    """FastAPI, with the API-key and body-size checks, and the two generate endpoints, in front of it as plain
+    ASGI: the hot path (POST /v1/chat/completions, /v1/completions) skips FastAPI's routing and middleware
+    layers, which cost about as much as the rest of a relayed request. Everything else is ordinary FastAPI."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def configure(self, router: ModelRouter, api_key: str | None, max_body_bytes: int) -> None:
+        self.model_router, self.max_body_bytes = router, max_body_bytes
         self.auth = f"Bearer {api_key}".encode() if api_key is not None else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            path: str = scope["path"]
-            headers = dict(scope["headers"])
-            error = None
-            if self.auth is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) \
-                    and headers.get(b"authorization") != self.auth:
-                error = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
-                                 "invalid_api_key")
-            size = headers.get(b"content-length", b"")
-            if error is None and size.isdigit() and int(size) > self.max_body_bytes:
-                error = APIError(413, f"request body of {size.decode()} bytes is over the limit of "
-                                      f"{self.max_body_bytes} bytes")
-            if error is not None:
-                await error_response(error)(scope, receive, send)
+        if scope["type"] != "http":
+            return await super().__call__(scope, receive, send)
+        path: str = scope["path"]
+        headers = dict(scope["headers"])
+        error = None
+        if self.auth is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) \
+                and headers.get(b"authorization") != self.auth:
+            error = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
+                             "invalid_api_key")
+        size = headers.get(b"content-length", b"")
+        if error is None and size.isdigit() and int(size) > self.max_body_bytes:
+            error = APIError(413, f"request body of {size.decode()} bytes is over the limit of "
+                                  f"{self.max_body_bytes} bytes")
+        kind = GENERATE_PATHS.get(path) if scope["method"] == "POST" else None
+        if error is None and kind is None:
+            return await super().__call__(scope, receive, send)
+        if error is None:
+            try:
+                response = await self.generate(kind, headers, receive)
+            except APIError as e:
+                response = error_response(e)
+            except ClientGone:
                 return
-        await self.app(scope, receive, send)
+            except Exception:  # the stack trace goes to the log, never to the client
+                logger.exception("internal error")
+                response = error_response(APIError(500, "internal server error"))
+        else:
+            response = error_response(error)
+        await response(scope, receive, send)
+
+    async def generate(self, kind: str, raw_headers: dict[bytes, bytes], receive: Any) -> Response:
+        parts, more, size = [], True, 0
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body is over the limit of {self.max_body_bytes} bytes")
+        raw = b"".join(parts)
+        try:
+            body = json.loads(raw)
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers.items()}
+        req = RoutedRequest(kind, body, raw, headers, request_priority(headers, body.get("priority")),
+                            request_batch_delay(headers))
+        if req.stream:
+            return await self.model_router.dispatch(req)
+        return await cancel_on_disconnect(receive, self.model_router.dispatch(req))
 
 
-async def cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+class ClientGone(Exception):
+    pass
+
+
+async def cancel_on_disconnect(receive: Any, work: Awaitable[Response]) -> Response:
     """Run `work`, cancelling it if the client goes away first (a non-streamed request has no stream to notice
     that): the embedded engine then aborts the request, and a remote upstream's connection is closed."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     watcher = asyncio.ensure_future(gone())
@@ -122,34 +169,10 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
         yield
         await router.close()
 
-    app = FastAPI(title="kvgate", version=VERSION, lifespan=lifespan)
+    app = GatewayApp(title="kvgate", version=VERSION, lifespan=lifespan)
+    app.configure(router, api_key, max_body_bytes)
     app.state.router = router
     install_error_handlers(app)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
-
-    async def generate(request: Request, kind: str) -> Response:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes is over the limit of {max_body_bytes} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
-        req = RoutedRequest(kind, body, raw, request.headers, request_priority(request, body.get("priority")),
-                            request_batch_delay(request))
-        if req.stream:
-            return await router.dispatch(req)
-        return await cancel_on_disconnect(request, router.dispatch(req))
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await generate(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await generate(request, "completions")
 
     def embedded_for(model: str | None) -> OpenAIServing:
         """The first embedded deployment of `model` (for /tokenize and /detokenize)."""

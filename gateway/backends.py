@@ -1,5 +1,5 @@
 """Where a deployment's requests go: an in-process engine (EmbeddedBackend) or a remote OpenAI-compatible server
-(RemoteBackend: vLLM, another kvgate, ...).
+(RemoteBackend: vLLM, another kvgate, ...; through gateway/upstream_client.py).
 
 Both turn a RoutedRequest into a starlette Response, and raise BackendFailure when the deployment failed before
 the first byte could reach the client, so that the router may retry on another one. The remote relay passes the
@@ -8,12 +8,13 @@ upstream's bytes through untouched (its id and system_fingerprint stay as they a
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import anyio
-import httpx
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,6 +24,7 @@ from kvgate.gateway.errors import APIError, validation_error
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.gateway.serving import OpenAIServing
 from kvgate.gateway.strategies import LoadState, RequestTiming
+from kvgate.gateway.upstream_client import UpstreamError, UpstreamPool
 
 if TYPE_CHECKING:
     from kvgate.gateway.router import RoutedRequest
@@ -143,32 +145,30 @@ class EmbeddedBackend:
 
 
 class RemoteBackend:
-    """An OpenAI-compatible server at `url` (".../v1"), through one pooled httpx.AsyncClient. Its load comes from
-    its Prometheus /metrics (vLLM's names), scraped at most every `staleness_s` and only used while younger than
-    `max_staleness_s`; without /metrics the router counts only its own requests."""
+    """An OpenAI-compatible server at `url` (".../v1"), through a pool of keep-alive connections. Its load comes
+    from its Prometheus /metrics (vLLM's names), scraped at most every `staleness_s` and only used while younger
+    than `max_staleness_s`; without /metrics the router counts only its own requests."""
     kind = "remote"
+    ready, dead = True, False
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, model: str | None = None,
                  staleness_s: float = 0.5, max_staleness_s: float = 5.0, max_connections: int = 1024) -> None:
         url = url.rstrip("/")
         self.base = url if url.endswith("/v1") else url + "/v1"
-        self.root = self.base[:-3]
+        parts = urlsplit(self.base)
+        self.api_path = parts.path  # "/v1", or "/some/prefix/v1"
+        self.metrics_path = self.api_path[:-3] + "/metrics"
+        self.pool = UpstreamPool(f"{parts.scheme}://{parts.netloc}", max_connections, min(timeout, 10.0))
         self.model, self.timeout = model, timeout
         self.served: list[str] = []  # the upstream's model ids, learned by the health check
         self.staleness_s, self.max_staleness_s = staleness_s, max_staleness_s
-        self.headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        self.headers = b"content-type: application/json\r\n"
         if api_key:
-            self.headers["authorization"] = f"Bearer {api_key}"
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=30.0))
+            self.headers += f"authorization: Bearer {api_key}\r\n".encode()
         self.state = LoadState()
         self._scrape_started = float("-inf")
         self._scrape_task: asyncio.Task | None = None
         self._no_metrics_until = float("-inf")
-
-    ready, dead = True, False
 
     def describe(self) -> str:
         return f"remote {self.base}"
@@ -184,15 +184,22 @@ class RemoteBackend:
     def queue_full(self, max_queue_len: int) -> bool:
         return self.state.waiting >= max_queue_len
 
+    async def _get(self, path: str, timeout: float) -> tuple[int, bytes]:
+        r = await self.pool.request("GET", path, headers=self.headers, timeout=timeout)
+        try:
+            return r.status, await r.read()
+        finally:
+            r.close()
+
     async def _scrape(self, started: float) -> None:
         try:
-            r = await self.client.get(self.root + "/metrics", timeout=min(self.timeout, 2.0))
-        except httpx.HTTPError:
+            status, body = await self._get(self.metrics_path, min(self.timeout, 2.0))
+        except UpstreamError:
             return  # the health check decides whether it is down
-        if r.status_code != 200:
+        if status != 200:
             self._no_metrics_until = started + 60.0  # no /metrics here: look again in a minute
             return
-        self.state = parse_vllm_metrics(r.text, started)
+        self.state = parse_vllm_metrics(body.decode("utf-8", "replace"), started)
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def upstream_model(self, name: str) -> str:
@@ -202,59 +209,51 @@ class RemoteBackend:
             return self.served[0]
         return name
 
-    def _request_headers(self, req: "RoutedRequest") -> dict[str, str]:
-        headers = self.headers
-        extra = [(h, v) for h in FORWARDED_HEADERS if (v := req.headers.get(h)) is not None]
-        return {**headers, **dict(extra)} if extra else headers
+    def _request_headers(self, req: "RoutedRequest") -> bytes:
+        extra = [f"{h}: {v}\r\n" for h in FORWARDED_HEADERS if (v := req.headers.get(h)) is not None]
+        return self.headers + "".join(extra).encode("latin-1") if extra else self.headers
 
     async def handle(self, req: "RoutedRequest", timing: RequestTiming) -> Response:
         body = req.body_for(self.upstream_model(req.model))
-        url = self.base + ("/chat/completions" if req.kind == "chat" else "/completions")
-        headers = self._request_headers(req)
-        if not req.stream:
-            try:
-                r = await self.client.post(url, content=body, headers=headers)
-            except httpx.HTTPError as e:
-                raise BackendFailure(f"{self.base}: {type(e).__name__} {e}") from e
-            check_status(r.status_code, r.content, self.base)
-            timing.output_tokens = completion_tokens(r.content)
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+        path = self.api_path + ("/chat/completions" if req.kind == "chat" else "/completions")
         try:
-            r = await self.client.send(self.client.build_request("POST", url, content=body, headers=headers),
-                                       stream=True)
-        except httpx.HTTPError as e:
-            raise BackendFailure(f"{self.base}: {type(e).__name__} {e}") from e
+            r = await self.pool.request("POST", path, body, self._request_headers(req), self.timeout)
+        except UpstreamError as e:
+            raise BackendFailure(f"{self.base}: {e}") from e
         try:
-            if r.status_code != 200:
-                content = await r.aread()
-                check_status(r.status_code, content, self.base)
-                return Response(content, r.status_code, media_type=r.headers.get("content-type"))
-            chunks = r.aiter_raw()
+            if not req.stream or r.status != 200:
+                content = await r.read()
+                check_status(r.status, content, self.base)
+                timing.output_tokens = completion_tokens(content)
+                return Response(content, r.status, media_type=r.content_type)
+            chunks = r.iter_chunks()
             try:  # the first chunk is read before answering, so that a dead stream can still be retried
                 first = await chunks.__anext__()
-            except (StopAsyncIteration, httpx.HTTPError) as e:
-                raise BackendFailure(f"{self.base}: the stream ended before its first chunk ({e!r})") from e
+            except StopAsyncIteration:
+                raise BackendFailure(f"{self.base}: the stream ended before its first chunk") from None
+        except UpstreamError as e:
+            r.close()
+            raise BackendFailure(f"{self.base}: {e}") from e
         except BaseException:
-            await r.aclose()
+            r.close()
             raise
         timing.first_token = time.monotonic()
-        return ProxyStream(relay(first, chunks, timing), r.headers.get("content-type"),
-                           on_close=[lambda _: r.aclose()])
+        return ProxyStream(relay(first, chunks, timing), r.content_type, on_close=[lambda _: r.close()])
 
     async def check(self) -> None:
         try:
-            r = await self.client.get(self.base + "/models", timeout=min(self.timeout, 5.0))
-        except httpx.HTTPError as e:
-            raise BackendFailure(f"{self.base}/models: {type(e).__name__} {e}") from e
-        if r.status_code != 200:
-            raise BackendFailure(f"{self.base}/models answered {r.status_code}")
+            status, body = await self._get(self.api_path + "/models", min(self.timeout, 5.0))
+        except UpstreamError as e:
+            raise BackendFailure(f"{self.base}/models: {e}") from e
+        if status != 200:
+            raise BackendFailure(f"{self.base}/models answered {status}")
         try:
-            self.served = [m["id"] for m in r.json().get("data", [])]
+            self.served = [m["id"] for m in json.loads(body).get("data", [])]
         except (ValueError, AttributeError, KeyError, TypeError):
             pass  # an unusual /models body: keep sending the gateway's model name
 
     async def close(self) -> None:
-        await self.client.aclose()
+        await self.pool.close()
 
 
 async def relay(first: bytes, chunks: AsyncIterator[bytes], timing: RequestTiming) -> AsyncIterator[bytes]:

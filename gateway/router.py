@@ -236,7 +236,7 @@ class ModelRouter:
                 deps = [d for d in self.models[m] if d.name not in tried and self._available(d)]
                 if not deps:
                     break
-                d = self._strategy(m, strategy).pick(deps, req)
+                d = deps[0] if len(deps) == 1 else self._strategy(m, strategy).pick(deps, req)
                 tried.add(d.name)
                 try:
                     return await self._send(d, deps, req)
