@@ -20,7 +20,8 @@ _BODY = json.dumps({
     "system_fingerprint": "fp_mock",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok " * 16}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}}).encode()
-JSON_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(_BODY)) + _BODY
+JSON_RESPONSE = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                 % (len(_BODY), _BODY))
 
 
 def _chunk(data: bytes) -> bytes:
