@@ -79,11 +79,14 @@ class DeploymentStats:
             self.failures += 1
             return
         self.last_observed = now
-        if t.first_token is not None:
-            self.ttft_len.update(t.prompt_tokens)
-            self.ttft.update(max(0.0, t.first_token - t.started - t.queue_wait))
+        first = t.first_token
+        if first is None:  # a non-streamed answer: split its time as the current rates would
+            ttft, tpot = self.predict_ttft(t.prompt_tokens), self.predict_tpot(t.load)
+            share = ttft / (ttft + max(0, t.output_tokens - 1) * tpot)
+            first = t.started + t.queue_wait + max(0.0, now - t.started - t.queue_wait) * share
+        self.ttft_len.update(t.prompt_tokens)
+        self.ttft.update(max(0.0, first - t.started - t.queue_wait))
         if t.output_tokens > 1:
-            first = t.first_token if t.first_token is not None else t.started + self.predict_ttft(t.prompt_tokens)
             self.tpot_load.update(t.load + 1)
             self.tpot.update(max(1e-5, (now - first) / (t.output_tokens - 1)))
 

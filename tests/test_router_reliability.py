@@ -68,6 +68,9 @@ def test_failing_upstream_is_taken_out_and_comes_back(ab) -> None:
         assert b.requests <= 1
         dep_b = router.models["m"][1]
         assert not dep_b.health.available() and "500" in dep_b.health.last_error
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'kvgate:router_deployment_healthy{model_name="m",deployment="m#1"} 0' in metrics
+        assert 'kvgate:router_requests_total{model_name="m",deployment="m#0"} 10' in metrics
         b.fail = None  # heals: the next half-open probe passes and B takes traffic again
         wait_for(dep_b.health.available, "B back after a passing probe")
         for _ in range(10):
