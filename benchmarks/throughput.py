@@ -61,8 +61,10 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
         print_step_profile(timers, secs)
     if args.torch_profile:
         torch_profile(llm, reqs)
-    graphs = "eager" if getattr(llm.engine.runner, "graphs", None) is None else "cuda graphs"
-    return {"engine": f"kvgate ({cfg.attention_backend}, {graphs})", "dtype": str(cfg.dtype).replace("torch.", ""),
+    mode = ["eager" if getattr(llm.engine.runner, "graphs", None) is None else "cuda graphs"]
+    if any(getattr(m, "fused", False) for m in llm.engine.runner.model.modules()):
+        mode.append("fused ops")
+    return {"engine": f"kvgate ({cfg.attention_backend}, {', '.join(mode)})", "dtype": str(cfg.dtype).replace("torch.", ""),
             "requests": len(reqs), "output_tokens": out_tokens, "seconds": round(secs, 2),
             "output_tok_s": round(out_tokens / secs, 1),
             "total_tok_s": round((out_tokens + sum(len(p) for p, _ in reqs)) / secs, 1),

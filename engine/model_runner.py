@@ -60,8 +60,11 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
-        if self.device.type == "cuda" and config.attention_backend == "triton":
-            use_fused_ops(self.model)  # the GPU path: fused RMSNorm / rotary / SiLU-and-mul kernels too
+        # Fused RMSNorm / rotary / SiLU-and-mul kernels: opt-in (KVGATE_FUSED_OPS=1). On the H200 they made the
+        # throughput benchmark slower (5,955 vs 9,355 tok/s, benchmarks/RESULTS.md) and are not yet profiled.
+        if (self.device.type == "cuda" and config.attention_backend == "triton"
+                and os.environ.get("KVGATE_FUSED_OPS", "0") == "1"):
+            use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.args.enforce_eager and config.attention_backend == "triton":
             from kvgate.kernels.triton_decode import graph_partition_size
