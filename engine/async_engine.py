@@ -1,7 +1,8 @@
 """AsyncLLMEngine: the engine loop on its own thread, asyncio streams for callers.
 
 The event loop never waits on a model step: requests and aborts go to the engine thread through a queue, and
-outputs come back with `call_soon_threadsafe` into one asyncio.Queue per request. Cancelling a stream (client
+each step's outputs come back in one `call_soon_threadsafe` per event loop into one RequestOutputStream per
+request (engine/output_stream.py: unread DELTA outputs are merged, so a busy loop is not flooded). Cancelling a stream (client
 gone) aborts its request, which frees its KV blocks on the engine thread's next turn. After every step the engine
 thread publishes an EngineStats snapshot (`stats`), so readers on other threads never touch live engine state.
 """
@@ -17,8 +18,9 @@ from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.config import EngineArgs
 from kvgate.engine.llm_engine import LLMEngine, PromptType
+from kvgate.engine.output_stream import RequestOutputStream
 from kvgate.engine.outputs import RequestOutput
-from kvgate.engine.sampling_params import SamplingParams
+from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
 from kvgate.engine.stats import EngineStats, snapshot
 
@@ -34,20 +36,6 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: RequestOutput | BaseException) -> bool:
-        """False when the caller's event loop is closed (nobody will read this stream again)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
-
-
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, start: bool = True,
                  on_loaded: Callable[["AsyncLLMEngine"], None] | None = None) -> None:
@@ -59,7 +47,7 @@ class AsyncLLMEngine:
         self._on_loaded = on_loaded
         self._ready = threading.Event()
         self._inbox: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestOutputStream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         if start:
@@ -103,7 +91,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running")
         if not self.is_ready:
             await self.wait_until_ready()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = RequestOutputStream(asyncio.get_running_loop(), sampling_params.output_kind == RequestOutputKind.DELTA)
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
@@ -115,15 +103,13 @@ class AsyncLLMEngine:
                                         arrival_time=arrival)
             except Exception as e:  # invalid input: report it to this caller only
                 self._streams.pop(request_id, None)
-                stream.put(e)
+                _send(stream.loop, [(stream, e)])
 
         self._inbox.put(add)
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await stream.get()
                 finished = item.finished
                 yield item
                 if finished:
@@ -206,15 +192,24 @@ class AsyncLLMEngine:
                 self.stats = snapshot(self.engine)
                 continue
             self.stats = snapshot(self.engine)  # before the outputs go out: a caller that saw them sees the stats
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                delivered = stream.put(out)
-                if not delivered:  # its caller's event loop is gone: nobody reads this stream, stop the request
-                    self.engine.abort_request(out.request_id)
-                if out.finished or not delivered:
-                    del self._streams[out.request_id]
+            self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestOutputStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            by_loop.setdefault(stream.loop, []).append((stream, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        for loop, items in by_loop.items():
+            if not _send(loop, items):  # the callers' event loop is gone: nobody reads these, stop the requests
+                for _, out in items:
+                    self._streams.pop(out.request_id, None)
+                    if not out.finished:
+                        self.engine.abort_request(out.request_id)
 
     def _drain(self, timeout: float | None) -> bool:
         """Run every queued call; wait up to `timeout` seconds for the first one (None: do not wait).
@@ -235,5 +230,19 @@ class AsyncLLMEngine:
             self.engine.abort_request(rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.put(RuntimeError(f"internal engine error: {error}"))
+                _send(stream.loop, [(stream, RuntimeError(f"internal engine error: {error}"))])
+
+
+def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputStream, RequestOutput | BaseException]]
+          ) -> bool:
+    """Push items into their streams on `loop` (from the engine thread); False when that loop is closed."""
+    def push_all() -> None:
+        for stream, item in items:
+            stream.push(item)
+
+    try:
+        loop.call_soon_threadsafe(push_all)
+    except RuntimeError:
+        return False
+    return True
 

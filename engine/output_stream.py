@@ -1,0 +1,58 @@
+"""One request's outputs on its caller's event loop, merged while unread (vLLM's RequestOutputCollector idea).
+
+The engine thread hands over a step's outputs in one call per event loop; a stream keeps only the latest state:
+a DELTA output that arrives before the consumer read the previous one is appended to it (text, token ids,
+logprobs), any other kind replaces it (it already holds everything). A consumer that falls behind, say an HTTP
+stream to a slow client or an event loop busy with 200 clients, then reads one output per turn holding several
+tokens, instead of a backlog of one-token outputs, each costing a wake-up and a chunk.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from kvgate.engine.outputs import CompletionOutput, RequestOutput
+
+
+def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """`new` appended to the unread DELTA output `old` (samples matched by index)."""
+    by_index = {o.index: o for o in old.outputs}
+    merged: list[CompletionOutput] = []
+    for o in new.outputs:
+        prev = by_index.pop(o.index, None)
+        if prev is None:
+            merged.append(o)
+            continue
+        logprobs = None if prev.logprobs is None and o.logprobs is None else (prev.logprobs or []) + (o.logprobs or [])
+        merged.append(replace(o, text=prev.text + o.text, token_ids=prev.token_ids + o.token_ids, logprobs=logprobs))
+    merged.extend(by_index.values())  # samples the new output did not mention (nothing new for them)
+    merged.sort(key=lambda c: c.index)
+    return replace(new, outputs=merged)
+
+
+class RequestOutputStream:
+    """Filled on the event loop (`push`, scheduled by the engine thread), read by one consumer (`get`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
+        self.loop = loop
+        self.delta = delta
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._pending, BaseException):
+            return  # an error ends the stream: nothing after it matters
+        if isinstance(self._pending, RequestOutput) and isinstance(item, RequestOutput) and self.delta:
+            item = merge_delta(self._pending, item)
+        self._pending = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        """The next output (several steps' worth if they arrived unread); raises the error that ended the stream."""
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._pending = self._pending, None
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
