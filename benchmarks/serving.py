@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -54,7 +55,8 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return {"ttft": ttft, "itl": itl, "tpot": tpot, "tokens": tokens, "latency": end - t0}
 
 
-async def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int]]) -> dict:
+async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list[list[int]]
+                       ) -> tuple[list[dict], float]:
     url = args.base_url.rstrip("/") + "/completions"
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
@@ -65,7 +67,25 @@ async def run_level(args: argparse.Namespace, concurrency: int, prompts: list[li
 
         t0 = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts))
-        secs = time.perf_counter() - t0
+        return list(results), time.perf_counter() - t0
+
+
+def _worker(job: tuple[argparse.Namespace, int, list[list[int]]]) -> tuple[list[dict], float]:
+    return asyncio.run(run_requests(*job))
+
+
+def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int]]) -> dict:
+    """One concurrency level; with --workers N the clients are split over N processes (so that the load
+    generator's own Python is not what limits a fast server)."""
+    n = max(1, min(args.workers, concurrency))
+    if n == 1:
+        results, secs = _worker((args, concurrency, prompts))
+    else:
+        jobs = [(args, concurrency // n + (1 if i < concurrency % n else 0), prompts[i::n]) for i in range(n)]
+        with multiprocessing.get_context("spawn").Pool(n) as pool:
+            parts = pool.map(_worker, jobs)
+        results = [r for part, _ in parts for r in part]
+        secs = max(t for _, t in parts)
     ttft = [r["ttft"] * 1e3 for r in results]
     tpot = [r["tpot"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
@@ -88,15 +108,16 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [100, vocab)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workers", type=int, default=1, help="load-generator processes (clients split evenly)")
     ap.add_argument("--record", default=None, help="a label: append the rows to benchmarks/RESULTS.md")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     rows = []
     for c in args.concurrency:
         prompts = [[rng.randrange(100, args.vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-        rows.append(asyncio.run(run_level(args, c, prompts)))
+        rows.append(run_level(args, c, prompts))
     print(f"# serving: {args.model} at {args.base_url}, input {args.input_len}, output {args.output_len}, "
-          f"{args.num_prompts} requests per level")
+          f"{args.num_prompts} requests per level, {args.workers} load-generator process(es)")
     print_table(rows)
     if args.record:
         append_results(args.record, " ".join(sys.argv), rows)
