@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--input", required=True, help="model.gguf")
     c.add_argument("--output", required=True, help="output directory")
     c.set_defaults(func=cmd_convert)
+    from kvgate.gateway import dify_package  # stdlib-only module: cheap to import
+
+    dify_package.register(sub)
     return parser
 
 

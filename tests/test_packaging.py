@@ -33,3 +33,17 @@ def test_pip_install_into_fresh_venv(tmp_path: Path) -> None:
     assert where.stdout.strip().startswith(str(venv)), where.stdout  # the installed copy, not the source tree
     for generic in ("engine", "kernels", "gateway"):  # no generic top-level names are installed
         assert not Path(purelib, generic).exists()
+
+
+def test_kvgate_dify_package_builds_the_plugin(tmp_path, capsys) -> None:
+    import zipfile
+
+    from kvgate.gateway.cli import main
+
+    assert main(["dify-package", "--out-dir", str(tmp_path)]) == 0
+    (pkg,) = tmp_path.glob("kvgate-*.difypkg")
+    names = set(zipfile.ZipFile(pkg).namelist())
+    assert {"manifest.yaml", "main.py", "provider/kvgate.yaml", "models/llm/llm.py"} <= names
+    assert not any(n.startswith(("tests/", ".env")) and n != ".env.example" for n in names)
+    assert main(["dify-package", "--plugin-dir", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
