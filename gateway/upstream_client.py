@@ -90,6 +90,8 @@ class UpstreamResponse:
                     parts, buf, done = take_chunks(buf)
                     if parts:
                         yield b"".join(parts)
+            elif self.status in (204, 304) or 100 <= self.status < 200:
+                pass  # no body
             elif b"content-length" in self.headers:
                 n = int(self.headers[b"content-length"])
                 if n:
