@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -18,7 +17,7 @@ import anyio
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvgate.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from kvgate.engine.async_engine import AsyncLLMEngine
 from kvgate.engine.outputs import RequestOutput
 from kvgate.gateway.errors import APIError, validation_error
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -29,7 +28,6 @@ from kvgate.gateway.upstream_client import UpstreamError, UpstreamPool
 if TYPE_CHECKING:
     from kvgate.gateway.router import RoutedRequest
 
-logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FORWARDED_HEADERS = ("x-priority", "x-max-batch-delay-ms", "x-request-id")
 
@@ -93,9 +91,6 @@ class EmbeddedBackend:
     def dead(self) -> bool:
         return self.engine.is_dead
 
-    def describe(self) -> str:
-        return f"embedded engine {self.engine.args.model or 'default model'}"
-
     def load_state(self, now: float) -> LoadState:
         n = self.engine.num_requests  # exact: counted when a request is admitted, on this thread
         if not self.engine.is_ready:
@@ -131,9 +126,7 @@ class EmbeddedBackend:
         run = self.serving.chat if req.kind == "chat" else self.serving.completions
         try:
             result = await run(parsed, req.priority, req.max_batch_delay, on_output)  # type: ignore[arg-type]
-        except EngineDeadError as e:
-            raise BackendFailure(str(e)) from e
-        except RuntimeError as e:  # an engine step failed for this request
+        except RuntimeError as e:  # the engine is dead (EngineDeadError), or a step failed for this request
             raise BackendFailure(str(e)) from e
         if isinstance(result, dict):
             return JSONResponse(result)
@@ -169,9 +162,6 @@ class RemoteBackend:
         self._scrape_started = float("-inf")
         self._scrape_task: asyncio.Task | None = None
         self._no_metrics_until = float("-inf")
-
-    def describe(self) -> str:
-        return f"remote {self.base}"
 
     # ---- load -----------------------------------------------------------------------------------------------------
     def load_state(self, now: float) -> LoadState:
