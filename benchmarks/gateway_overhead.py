@@ -271,8 +271,8 @@ def record(table: str, a: argparse.Namespace) -> None:
              f"{a.gateway_cpu}; mock upstream and load generator to core {a.load_cpu}. Each side's best of "
              f"{a.repeat} repetitions (lowest p50 at concurrency 1, most requests/s at 32). Targets: at "
              f"concurrency 1 added p50 <= {TARGETS['added_p50_ms_c1']} ms (non-streamed) and added TTFT <= "
-             f"{TARGETS['added_ttft_ms_c1']} ms (streamed); at concurrency 32 kvgate / direct >= {TARGETS['rps_ratio_c32']:.0%}. The ratio depends on "
-             f"the client sharing a core with the mock: with the openai SDK the client is the bottleneck either way; "
+             f"{TARGETS['added_ttft_ms_c1']} ms (streamed); at concurrency 32 kvgate / direct >= "
+             f"{TARGETS['rps_ratio_c32']:.0%}. The ratio depends on the client sharing a core with the mock: with the openai SDK the client is the bottleneck either way; "
              f"with plain asyncio the mock and client need ~0.03-0.1 ms a request, and the gateway's own CPU per "
              f"request (last column) bounds its req/s.\n\n`{cmd}`\n\n{table}\n")
     if section not in text:
