@@ -267,14 +267,15 @@ def record(table: str, a: argparse.Namespace) -> None:
     section = "## Gateway overhead (`benchmarks/gateway_overhead.py`)"
     cmd = (f"python benchmarks/gateway_overhead.py --client {a.client} --repeat {a.repeat} "
            f"--requests-c1 {a.requests_c1} --requests-c32 {a.requests_c32}")
+    targets = (f"Targets: at concurrency 1 added p50 <= {TARGETS['added_p50_ms_c1']} ms (non-streamed) and added "
+               f"TTFT <= {TARGETS['added_ttft_ms_c1']} ms (streamed); at concurrency 32 kvgate / direct >= "
+               f"{TARGETS['rps_ratio_c32']:.0%}.")
     entry = (f"\n### {datetime.date.today().isoformat()} — {machine()}\n{versions()}. Gateway pinned to core "
              f"{a.gateway_cpu}; mock upstream and load generator to core {a.load_cpu}. Each side's best of "
-             f"{a.repeat} repetitions (lowest p50 at concurrency 1, most requests/s at 32). Targets: at "
-             f"concurrency 1 added p50 <= {TARGETS['added_p50_ms_c1']} ms (non-streamed) and added TTFT <= "
-             f"{TARGETS['added_ttft_ms_c1']} ms (streamed); at concurrency 32 kvgate / direct >= "
-             f"{TARGETS['rps_ratio_c32']:.0%}. The ratio depends on the client sharing a core with the mock: with the openai SDK the client is the bottleneck either way; "
-             f"with plain asyncio the mock and client need ~0.03-0.1 ms a request, and the gateway's own CPU per "
-             f"request (last column) bounds its req/s.\n\n`{cmd}`\n\n{table}\n")
+             f"{a.repeat} repetitions (lowest p50 at concurrency 1, most requests/s at 32). {targets} The ratio "
+             f"depends on the client sharing a core with the mock: with the openai SDK the client is the bottleneck "
+             f"either way; with plain asyncio the mock and client need ~0.03-0.1 ms a request, and the gateway's own "
+             f"CPU per request (last column) bounds its req/s.\n\n`{cmd}`\n\n{table}\n")
     if section not in text:
         text = text.rstrip("\n") + f"\n\n{section}\n"
     start = text.index(section)
