@@ -1,6 +1,11 @@
-"""The per-step context that attention layers read: metadata and backend, set by the model runner."""
+"""The per-step context that attention layers read: metadata and backend, set by the model runner.
+
+Thread-local: several engines in one process (two models, replicas) each step on their own thread, and one
+engine's step must never see another's metadata.
+"""
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -15,20 +20,21 @@ class ForwardContext:
     attention_fn: AttentionFn
 
 
-_CONTEXT: ForwardContext | None = None
+_LOCAL = threading.local()
 
 
 def get_forward_context() -> ForwardContext:
-    if _CONTEXT is None:
+    ctx = getattr(_LOCAL, "context", None)
+    if ctx is None:
         raise RuntimeError("attention called outside a model step (no forward context set)")
-    return _CONTEXT
+    return ctx
 
 
 @contextmanager
 def forward_context(metadata: AttentionMetadata, attention_fn: AttentionFn) -> Iterator[None]:
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ForwardContext(metadata, attention_fn)
+    prev = getattr(_LOCAL, "context", None)
+    _LOCAL.context = ForwardContext(metadata, attention_fn)
     try:
         yield
     finally:
-        _CONTEXT = prev
+        _LOCAL.context = prev

@@ -145,3 +145,26 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine: Async
 
     tokens, live, free, total = asyncio.run(main())
     assert len(tokens) == 4 and live == [] and free == total  # the orphan was aborted, its blocks freed
+
+
+def test_two_engines_step_at_once_in_one_process(tiny_model_dirs: dict[str, str]) -> None:
+    """Each engine thread has its own forward context: two models stepping together never see each other's."""
+    prompts = random_prompts(8, seed=21, min_len=20, max_len=60)
+    names = ["llama", "qwen3"]
+    engines = [AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs[n], max_batch_size=8))
+               for n in names]
+
+    async def main() -> list[list[list[int]]]:
+        async def run(i: int) -> list[list[int]]:
+            return await asyncio.gather(*(collect(engines[i], f"e{i}-{j}", p, max_tokens=16)
+                                          for j, p in enumerate(prompts)))
+        return await asyncio.gather(run(0), run(1))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        for e in engines:
+            e.shutdown()
+    for name, ids in zip(names, got):
+        ref = LLM(tiny_model_dirs[name]).generate(prompts, SamplingParams(**GREEDY, max_tokens=16))
+        assert ids == [o.outputs[0].token_ids for o in ref], name

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from typing import Iterator
 
@@ -20,12 +19,6 @@ from kvgate.gateway.router_config import build_router
 from mock_upstream import MockUpstream, serving
 
 SLOW_STEP_S = 0.03
-# The engine's forward context (engine/forward_context.py) is one global per process, so two engine threads must
-# not run model steps at the same moment; these tests take turns through this lock (the slow engine sleeps
-# outside it). Remove the lock once the context is per thread.
-STEP_LOCK = threading.Lock()
-
-
 class CountingEngine:
     """An AsyncLLMEngine whose engine counts the requests it was given (and, if slow, sleeps in every step)."""
 
@@ -45,8 +38,7 @@ class CountingEngine:
         def one_step():
             if slow:
                 time.sleep(SLOW_STEP_S)
-            with STEP_LOCK:
-                return step()
+            return step()
 
         core.add_request, core.step = add_request, one_step
 
