@@ -1,14 +1,12 @@
-"""The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), convert (GGUF -> HF directory)."""
+"""The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), convert (GGUF -> HF directory),
+dify-package (the Dify plugin)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Callable
-
-if TYPE_CHECKING:
-    from kvgate.gateway.config import GatewayConfig
+from typing import Callable
 
 
 def _engine_flags(p: argparse.ArgumentParser, given_only: bool = False) -> None:
@@ -61,33 +59,10 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     return given
 
 
-def check_servable(cfg: "GatewayConfig") -> None:
-    """Until the ModelRouter (issue 5) exists, serve runs embedded models only, one deployment each."""
-    from kvgate.gateway.config import ConfigError
-
-    what = None
-    for i, m in enumerate(cfg.models):
-        if any(d.is_remote for d in m.deployments):
-            what = f"models[{i}] ({m.name!r}) has url: deployments (remote upstreams)"
-        elif len(m.deployments) > 1:
-            what = f"models[{i}] ({m.name!r}) has {len(m.deployments)} deployments"
-        if what:
-            break
-    if what is None and cfg.routes:
-        what = f"routes ({', '.join(r.name for r in cfg.routes)}) are configured"
-    if what is None and cfg.router.fallbacks:
-        what = "router.fallbacks are configured"
-    if what is not None:
-        raise ConfigError(f"{cfg.source or 'config'}: {what}, which needs the ModelRouter (issue 5), not built yet; "
-                          f"for now kvgate serve runs embedded models (model: a local directory or .gguf), one "
-                          f"deployment each")
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.gateway.config import load_config
 
     cfg = load_config(args.config, serve_overrides(args))  # ConfigError: exit status 2 with the key and reason
-    check_servable(cfg)
 
     import logging
 
@@ -96,7 +71,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
     from kvgate.gateway.app import create_app
-    from kvgate.gateway.serving import OpenAIServing
+    from kvgate.gateway.router_config import build_router
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -112,22 +87,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       file=sys.stderr, flush=True)
         return on_loaded
 
-    servings: dict[str, OpenAIServing] = {}
-    for m in cfg.models:
-        engine_args = m.deployments[0].engine_args
-        print(f"[kvgate] {m.name}: loading {engine_args.get('model') or DEFAULT_MODEL_NAME} ...", file=sys.stderr,
-              flush=True)
-        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**engine_args, served_model_name=m.name),
-                                                 on_loaded=report(m.name))  # loads on its own thread
-        servings[m.name] = OpenAIServing(m.name, engine)
-    app = create_app(servings, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, max_queue_len=cfg.max_queue_len)
-    print(f"[kvgate] serving {', '.join(servings)} on http://{cfg.host}:{cfg.port}/v1 "
+    def start_engine(name: str, engine_args: AsyncEngineArgs) -> AsyncLLMEngine:
+        print(f"[kvgate] {name}: loading {engine_args.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
+        return AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name))  # loads on its own thread
+
+    router = build_router(cfg, engine_factory=start_engine)  # remote deployments, routes, fallbacks included
+    app = create_app(router, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, max_queue_len=cfg.max_queue_len)
+    names = [*router.models, *router.routes]
+    print(f"[kvgate] serving {', '.join(names)} on http://{cfg.host}:{cfg.port}/v1 "
           f"(/health answers 503 loading until every model is ready)", file=sys.stderr, flush=True)
-    try:
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
-    finally:
-        for s in servings.values():
-            s.engine.shutdown()
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")  # its shutdown stops the engines
     return 0
 
 

@@ -148,11 +148,13 @@ def test_invalid_files_name_the_key_and_the_reason(tmp_path: Path, text: str, me
     assert re.match(".*".join(map(re.escape, message.split("…"))), str(err.value)), str(err.value)
 
 
-def test_missing_file_and_router_only_configs_are_refused_by_serve(tmp_path: Path, capsys) -> None:
+def test_missing_file_and_unimportable_route_function_are_refused_by_serve(tmp_path: Path, capsys) -> None:
     with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
         load_config(str(tmp_path / "nope.yaml"))
     assert main(["serve", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "kvgate: error: config file not found" in capsys.readouterr().err
-    assert main(["serve", "--config", write(tmp_path, TWO_MODELS)]) == 2  # url: deployments, fallbacks, routes
+    bad_route = "models:\n  - name: big\n    deployments:\n      - url: http://127.0.0.1:9/v1\n" \
+                "routes:\n  - name: auto\n    function: no_such_module_kvgate:pick\n"
+    assert main(["serve", "--config", write(tmp_path, bad_route)]) == 2  # before anything loads or listens
     err = capsys.readouterr().err
-    assert "models[1] ('big') has url: deployments" in err and "needs the ModelRouter (issue 5)" in err
+    assert "route function 'no_such_module_kvgate:pick': cannot import 'no_such_module_kvgate'" in err

@@ -3,6 +3,7 @@ invalid config refused before anything loads."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -12,6 +13,8 @@ from typing import Iterator
 
 import httpx
 import openai
+
+from mock_upstream import MockUpstream
 
 from kvgate.engine import LLM, SamplingParams
 
@@ -25,10 +28,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(args: list[str], log_path: Path, port: int) -> Iterator[tuple[str, list[str]]]:
+def serve(args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None
+          ) -> Iterator[tuple[str, list[str]]]:
     """`kvgate serve ARGS` in a subprocess; yields (base URL, /health statuses seen until it said ok)."""
     log = open(log_path, "w")
-    proc = subprocess.Popen([*CLI, "serve", *args], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*CLI, "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         statuses: list[str] = []
@@ -80,6 +84,30 @@ def test_kvgate_serve_config_with_two_models(tmp_path: Path, tiny_model_dirs: di
             assert r.choices[0].text == offline  # each name reaches its own model
         text = log.read_text()
         assert "tiny-llama: ready in" in text and "tiny-qwen: ready in" in text  # load progress on stderr
+
+
+def test_kvgate_serve_config_with_a_remote_upstream_and_a_route(tmp_path: Path, tiny_model_dirs: dict[str, str]
+                                                               ) -> None:
+    """config.yaml with an embedded model, a remote OpenAI upstream and an "auto" route function: the
+    ModelRouter behind kvgate serve."""
+    big = MockUpstream("big").start()
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"max_num_seqs: 4\nmodels:\n  - name: small\n    model: {tiny_model_dirs['llama']}\n"
+                      f"  - name: big\n    deployments:\n      - url: {big.url}\n"
+                      f"routes:\n  - name: auto\n    function: mock_upstream:route_by_length\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    try:
+        with serve(["--config", str(config), "--port", str(port)], tmp_path / "serve.log", port, env) as (base, _):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            assert {m.id for m in client.models.list().data} == {"small", "big", "auto"}
+            r = client.chat.completions.create(model="big", messages=[{"role": "user", "content": "hi"}])
+            assert r.system_fingerprint == "fp_big" and r.choices[0].message.content == big.text()
+            r = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=2)
+            assert r.model == "small" and big.requests == 1  # a short prompt: the route function chose small
+    finally:
+        big.stop()
 
 
 def test_kvgate_serve_refuses_an_invalid_config(tmp_path: Path) -> None:
