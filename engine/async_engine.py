@@ -32,6 +32,11 @@ class AsyncEngineArgs(EngineArgs):
     """EngineArgs for the async engine (same fields: AsyncEngineArgs(model=..., scheduler_delay=0.05, ...))."""
 
 
+# Engines load one at a time: loading touches process-wide state (torch's default dtype and seed, transformers'
+# lazy imports, which fail when two threads trigger them at once), so several models in one process would race.
+_LOAD_LOCK = threading.Lock()
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -157,7 +162,8 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.engine = LLMEngine.from_engine_args(self.args)
+            with _LOAD_LOCK:
+                self.engine = LLMEngine.from_engine_args(self.args)
             self.stats = snapshot(self.engine)
         except BaseException as e:  # noqa: BLE001 - reported through is_dead / wait_until_ready
             self.load_error = e
