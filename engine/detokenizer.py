@@ -11,11 +11,22 @@ def init_offsets(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
 
 
+def _decoder(tokenizer):
+    """`decode(ids, skip_special_tokens=...)`: the Rust tokenizer's own when the transformers wrapper would
+    return the same text (no clean-up of tokenization spaces), skipping ~10 us of Python per call, which the
+    engine thread pays twice per generated token."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode
+    return tokenizer.decode
+
+
 def detokenize_incrementally(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
     """Append the text of seq's newest tokens to seq.text and return it ("" while a character is incomplete)."""
     ids = seq.token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
+    decode = _decoder(tokenizer)
+    prefix = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
+    full = decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
     if len(full) <= len(prefix) or full.endswith("\ufffd"):
         return ""
     delta = full[len(prefix):]
