@@ -221,6 +221,12 @@ def graph_partition_size(num_seqs: int, num_kv_heads: int, max_model_len: int, d
     return triton.cdiv(size, tile) * tile
 
 
+def parts_pad(num_parts: int) -> int:
+    """The reduce kernel's partition tile: one size for every count up to MAX_PARTITIONS, so that a server does
+    not compile a new variant (about a second each on the GPU) whenever a step's partition count changes."""
+    return triton.next_power_of_2(max(num_parts, MAX_PARTITIONS))
+
+
 def interpreted() -> bool:
     """True where these kernels run in Triton's interpreter (TRITON_INTERPRET=1 when this module was imported)."""
     return type(_decode_kernel).__name__ == "InterpretedFunction"
@@ -286,7 +292,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if split:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens, partition_size, num_parts, out.stride(0), out.stride(1),
-            PARTS_PAD=triton.next_power_of_2(num_parts), HEAD_DIM=head_dim, D_PAD=d_pad,
+            PARTS_PAD=parts_pad(num_parts), HEAD_DIM=head_dim, D_PAD=d_pad,
             num_warps=4,
         )
     return out

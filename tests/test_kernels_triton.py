@@ -228,3 +228,10 @@ def test_backend_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
     assert torch.equal(kc.float(), kc_ref) and torch.equal(vc.float(), vc_ref)
     assert (kc.view(-1, kvh, d)[p.slots(5, 0, 5)] == 7.0).all()  # padded slots untouched
     assert_close(out, ref, dtype)
+
+
+def test_reduce_kernel_has_one_variant_for_every_partition_count() -> None:
+    """A server must not compile a new reduce kernel whenever a step's partition count changes."""
+    assert {triton_decode.parts_pad(n) for n in range(1, triton_decode.MAX_PARTITIONS + 1)} == {
+        triton_decode.MAX_PARTITIONS}
+    assert triton_decode.parts_pad(triton_decode.MAX_PARTITIONS + 1) == 2 * triton_decode.MAX_PARTITIONS
