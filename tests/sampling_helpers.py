@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from tiny_models import load_hf_model, random_prompts
+from tiny_models import load_hf_model, one_thread, random_prompts
 from transformers import AutoTokenizer
 
 from kvgate.engine import LLM, LLMEngine, RequestOutput, SamplingParams
@@ -19,11 +19,8 @@ PROMPTS = random_prompts(5, seed=21, min_len=3, max_len=40)
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    """Tiny models run much faster on one thread when other processes share the CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -77,15 +74,6 @@ def greedy_sp(max_tokens: int = 12, **kw) -> SamplingParams:
 
 def token_ids(outs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_all_free(llm: LLM) -> None:
-    engine = llm.engine
-    bm = engine.block_manager
-    assert engine.requests == {}
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
 
 
 Requests = list[tuple[str, list[int], SamplingParams]]

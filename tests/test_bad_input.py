@@ -11,7 +11,7 @@ import pytest
 
 from kvgate.engine.llm import LLM
 from kvgate.engine.sampling_params import SamplingParams
-from tiny_models import hf_greedy
+from tiny_models import assert_engine_idle, hf_greedy
 
 MAX_MODEL_LEN = 64
 GOOD = [100, 200, 300, 400, 500, 150, 250]  # its greedy continuation has no near-ties (top-2 gap > 0.1)
@@ -39,21 +39,12 @@ def expected(llm: LLM) -> list[int]:
     return out.outputs[0].token_ids
 
 
-def assert_clean(llm: LLM) -> None:
-    engine = llm.engine
-    bm = engine.block_manager
-    assert engine.requests == {}
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert bm.num_free_blocks == bm.num_blocks
-    assert all(b.ref_count == 0 for b in bm.blocks)
-
-
 def assert_still_serves(llm: LLM, expected: list[int]) -> None:
-    assert_clean(llm)
+    assert_engine_idle(llm)
     outs = llm.generate([GOOD, GOOD[:3]], greedy())
     assert outs[0].outputs[0].token_ids == expected
     assert outs[0].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
-    assert_clean(llm)
+    assert_engine_idle(llm)
 
 
 # ---- prompts -----------------------------------------------------------------------------------------------------
@@ -187,7 +178,7 @@ def test_priority_list_of_the_wrong_length(llm: LLM, expected: list[int]) -> Non
 def test_priority_bounds_are_accepted(llm: LLM) -> None:
     outs = llm.generate([GOOD, GOOD], greedy(2), priority=[0, 100])
     assert all(len(o.outputs[0].token_ids) == 2 for o in outs)
-    assert_clean(llm)
+    assert_engine_idle(llm)
 
 
 def test_negative_max_batch_delay(llm: LLM, expected: list[int]) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 import functools
 
 import pytest
-from tiny_models import ARCHS, assert_greedy_close, hf_greedy_with_logits, random_prompts
+from tiny_models import ARCHS, assert_engine_idle, assert_greedy_close, hf_greedy_with_logits, random_prompts
 
-from kvgate.engine import LLM, MemoryMonitor, SamplingParams
+from kvgate.engine import LLM, SamplingParams
 
 NEW_TOKENS = 24
 PROMPTS = random_prompts(8, seed=3, min_len=1, max_len=70)
@@ -23,18 +23,12 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
 
 
-def assert_all_free(llm: LLM) -> None:
-    stats = MemoryMonitor(llm.engine).get_stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
-    assert all(b.ref_count == 0 for b in llm.engine.block_manager.blocks)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_transformers(tiny_model_dirs: dict[str, str], arch: str) -> None:
     ids, logits = reference(tiny_model_dirs[arch])
     llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24)
     assert_greedy_close(greedy(llm), ids, logits)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -45,7 +39,7 @@ def test_prefix_caching_reuses_blocks_and_matches(tiny_model_dirs: dict[str, str
     first_hits = llm.engine.block_manager.prefix_cache_hits  # prompts admitted in one step cannot share yet
     assert_greedy_close(greedy(llm), ids, logits)  # every prompt again: served from cached blocks
     assert llm.engine.block_manager.prefix_cache_hits - first_hits >= sum((len(p) - 1) // 16 * 16 for p in PROMPTS)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
@@ -54,7 +48,7 @@ def test_small_chunked_prefill_matches(tiny_model_dirs: dict[str, str], arch: st
     ids, logits = reference(tiny_model_dirs[arch])
     llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=budget)
     assert_greedy_close(greedy(llm), ids, logits)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -65,7 +59,7 @@ def test_preemption_under_tiny_cache_matches(tiny_model_dirs: dict[str, str], ar
               max_num_batched_tokens=32)
     assert_greedy_close(greedy(llm), ids, logits)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("block_size", [32, 64])
@@ -73,7 +67,7 @@ def test_block_sizes_match(tiny_model_dirs: dict[str, str], block_size: int) -> 
     ids, logits = reference(tiny_model_dirs["qwen3"])
     llm = LLM(tiny_model_dirs["qwen3"], block_size=block_size, num_gpu_blocks_override=8)
     assert_greedy_close(greedy(llm), ids, logits)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_parallel_sampling_shares_prompt_blocks(tiny_model_dirs: dict[str, str]) -> None:

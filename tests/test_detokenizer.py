@@ -7,8 +7,7 @@ import random
 from collections.abc import Iterator
 
 import pytest
-import torch
-from tiny_models import VOCAB_SIZE, random_prompts
+from tiny_models import VOCAB_SIZE, assert_engine_idle, one_thread, random_prompts
 
 from kvgate.engine import LLM, LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
 from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
@@ -20,10 +19,8 @@ REPLACEMENT = "\ufffd"
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +102,6 @@ def collect(engine: LLMEngine, requests: Requests) -> dict[str, list[RequestOutp
         for o in engine.step():
             got[o.request_id].append(o)
     return got
-
-
-def assert_all_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    assert llm.engine.requests == {} and bm.num_free_blocks == bm.num_blocks
 
 
 # ---- detokenize_incrementally ------------------------------------------------------------------------------------
@@ -196,7 +188,7 @@ def test_engine_delta_stream_equals_full_decode(llm: LLM, tok) -> None:
                           for _, _, sp in requests[:8]])
     for (rid, _, _), out in zip(requests[:8], final):
         assert out.outputs[0].text == "".join(o.outputs[0].text for o in got[rid])
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_engine_cumulative_stream_never_shows_a_broken_character(llm: LLM, tok) -> None:
@@ -209,7 +201,7 @@ def test_engine_cumulative_stream_never_shows_a_broken_character(llm: LLM, tok) 
         for o in outs:
             assert final.text.startswith(o.outputs[0].text)
             assert not o.outputs[0].text.endswith(REPLACEMENT)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 # ---- check_stop_strings ------------------------------------------------------------------------------------------
@@ -326,7 +318,7 @@ def test_stop_string_cuts_the_output(llm: LLM, tiny_llama: str) -> None:
     # a stop string that never appears changes nothing
     comp = llm.generate([prompt], stop_sp(["\x00never\x00"]))[0].outputs[0]
     assert comp.text == text and comp.token_ids == ids and comp.finish_reason == "length"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_earliest_of_several_stop_strings_wins(llm: LLM, tiny_llama: str) -> None:
@@ -338,7 +330,7 @@ def test_earliest_of_several_stop_strings_wins(llm: LLM, tiny_llama: str) -> Non
         assert comp.text == text[:i] and comp.stop_reason == s, (stops, comp)
     comp = llm.generate([prompt], stop_sp([late]))[0].outputs[0]
     assert comp.text == text[:j] and comp.stop_reason == late
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_stop_strings_only_match_the_output(llm: LLM, tiny_llama: str, tok) -> None:
@@ -347,7 +339,7 @@ def test_stop_strings_only_match_the_output(llm: LLM, tiny_llama: str, tok) -> N
     s = next(prompt_text[a:a + 3] for a in range(len(prompt_text) - 3) if prompt_text[a:a + 3] not in text)
     comp = llm.generate([prompt], stop_sp([s]))[0].outputs[0]
     assert comp.text == text and comp.finish_reason == "length", "a stop string in the prompt does not stop"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -373,7 +365,7 @@ def test_delta_stream_never_leaks_a_stop_string(llm: LLM, tiny_llama: str, inclu
         outs = collect(llm.engine, [("c", prompt, sp)])["c"]
         assert outs[-1].outputs[0].text == final_text
         assert all(final_text.startswith(o.outputs[0].text) for o in outs)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_stop_strings_per_sample_with_n(llm: LLM, tok) -> None:
@@ -400,7 +392,7 @@ def test_stop_strings_per_sample_with_n(llm: LLM, tok) -> None:
         for d in deltas:
             sent += d
             assert want[j].startswith(sent)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_held_back_text_is_flushed_at_the_end(llm: LLM, tiny_llama: str) -> None:
@@ -425,7 +417,7 @@ def test_held_back_text_is_flushed_at_the_end(llm: LLM, tiny_llama: str) -> None
     sent += out.outputs[0].text
     assert out.outputs[0].finish_reason == "abort"
     assert sent == text[:ends[7]] and len(sent) > 0
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_stop_string_before_min_tokens_is_ignored(llm: LLM, tiny_llama: str) -> None:
@@ -439,4 +431,4 @@ def test_stop_string_before_min_tokens_is_ignored(llm: LLM, tiny_llama: str) -> 
     assert comp.token_ids == ids[:len(comp.token_ids)]
     comp = llm.generate([prompt], stop_sp([s], min_tokens=k - 1))[0].outputs[0]
     assert comp.text == text[:i] and len(comp.token_ids) == k, "min_tokens reached: the stop string counts"
-    assert_all_free(llm)
+    assert_engine_idle(llm)

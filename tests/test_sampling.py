@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
-from sampling_helpers import PROMPTS, assert_all_free, greedy_sp, hf_first_logits, token_ids, total_variation
-from tiny_models import assert_greedy_close, hf_greedy_with_logits, random_prompts
+from sampling_helpers import PROMPTS, greedy_sp, hf_first_logits, token_ids, total_variation
+from tiny_models import assert_engine_idle, assert_greedy_close, hf_greedy_with_logits, random_prompts
 
 from kvgate.engine import LLM, SamplingParams
 
@@ -24,7 +24,7 @@ def test_temperature_zero_is_greedy(llm: LLM, tiny_llama: str) -> None:
         assert comp.token_ids[0] == int(logits[0].argmax()), "the first greedy token is the argmax"
         for tid, entry in zip(comp.token_ids, comp.logprobs):
             assert entry[tid].rank == 1, "a greedy token is always rank 1 in the raw logits"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_top_k_1_tiny_top_p_and_min_p_1_equal_greedy(llm: LLM) -> None:
@@ -44,7 +44,7 @@ def test_top_k_1_tiny_top_p_and_min_p_1_equal_greedy(llm: LLM) -> None:
         SamplingParams(temperature=1.0, seed=i, max_tokens=12, ignore_eos=True) for i in range(len(PROMPTS))])
     assert token_ids(mixed)[:len(PROMPTS)] == greedy
     assert token_ids(mixed)[len(PROMPTS):] != greedy, "temperature 1 without restrictions should sample"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 # ---- seeds -------------------------------------------------------------------------------------------------------
@@ -69,7 +69,7 @@ def test_seed_is_reproducible_across_runs_and_batches(llm: LLM, tiny_llama: str)
     seeds = {tuple(llm.generate([prompt], SamplingParams(temperature=1.0, seed=s, max_tokens=24, ignore_eos=True))[0]
                    .outputs[0].token_ids) for s in (1, 2, 3)}
     assert len(seeds | {tuple(alone)}) == 4, "different seeds give different samples"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_seeded_samples_survive_preemption_and_chunked_prefill(llm: LLM, tiny_llama: str) -> None:
@@ -87,8 +87,8 @@ def test_seeded_samples_survive_preemption_and_chunked_prefill(llm: LLM, tiny_ll
         for ca, cb in zip(a.outputs, b.outputs):
             assert (cb.token_ids, cb.text) == (ca.token_ids, ca.text)
             assert cb.cumulative_logprob == pytest.approx(ca.cumulative_logprob, abs=1e-3)
-    assert_all_free(tight)
-    assert_all_free(llm)
+    assert_engine_idle(tight)
+    assert_engine_idle(llm)
 
 
 # ---- the sampled distribution ------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_first_token_distribution_matches_softmax(llm: LLM, tiny_llama: str, tem
     # neither greedy nor a different temperature fits as well
     assert tv < total_variation(counts, (logits / (temperature * 2)).softmax(-1))
     assert tv < total_variation(counts, (logits / (temperature / 2)).softmax(-1))
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_top_k_top_p_min_p_restrict_the_support(llm: LLM, tiny_llama: str) -> None:
@@ -173,4 +173,4 @@ def test_top_k_top_p_min_p_restrict_the_support(llm: LLM, tiny_llama: str) -> No
     min_p = float(sorted_p[1] + sorted_p[2]) / 2 / float(sorted_p[0])
     counts = draw_first_tokens(llm, prompt, 1000, temperature=1.0, min_p=min_p)
     assert set(counts) == set(order[:2].tolist()), (min_p, counts)
-    assert_all_free(llm)
+    assert_engine_idle(llm)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
-from sampling_helpers import PROMPT, PROMPTS, assert_all_free, greedy_sp, hf_first_logits, hf_penalized_greedy, hf_step_logits, run_engine, token_ids
-from tiny_models import assert_greedy_close, hf_greedy_with_logits, random_prompts
+from sampling_helpers import PROMPT, PROMPTS, greedy_sp, hf_first_logits, hf_penalized_greedy, hf_step_logits, run_engine, token_ids
+from tiny_models import assert_engine_idle, assert_greedy_close, hf_greedy_with_logits, random_prompts
 
 from kvgate.engine import LLM, RequestOutputKind, SamplingParams
 
@@ -55,7 +55,7 @@ def test_penalties_match_a_manual_computation(llm: LLM, tiny_llama: str, repetit
     for i in (0, 1):
         penalized = outs[i].outputs[0].token_ids
         assert penalized != plain and repeats(penalized) < repeats(plain), (PENALTIES[i], penalized, plain)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_penalties_with_sampling_are_per_sequence(llm: LLM) -> None:
@@ -67,7 +67,7 @@ def test_penalties_with_sampling_are_per_sequence(llm: LLM) -> None:
                          [greedy_sp(16), sp, SamplingParams(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True)])
     assert batch[1].outputs[0].token_ids == alone
     assert batch[2].outputs[0].token_ids != alone, "the penalties changed the seeded sample"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 # ---- logprobs ----------------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_logprobs_greedy(llm: LLM, tiny_llama: str) -> None:
     comp = llm.generate([PROMPT], greedy_sp(4, logprobs=0))[0].outputs[0]
     assert [list(e) for e in comp.logprobs] == [[t] for t in comp.token_ids]
     check_logprobs(comp, PROMPT, tiny_llama, 0, tok)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_logprobs_sampled_include_the_sampled_token(llm: LLM, tiny_llama: str) -> None:
@@ -123,7 +123,7 @@ def test_logprobs_sampled_include_the_sampled_token(llm: LLM, tiny_llama: str) -
     outs = llm.generate(PROMPTS, sps)
     outside = sum(check_logprobs(o.outputs[0], p, tiny_llama, 3, tok) for p, o in zip(PROMPTS, outs))
     assert outside > 0, "some sampled tokens should rank below the top 3 (their logprobs are then included)"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 # ---- n -----------------------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_n_samples(llm: LLM) -> None:
             assert len(c.token_ids) == 12 and greedy[0] not in c.token_ids
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 # ---- output kinds and abort --------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_output_kinds(llm: LLM) -> None:
         assert (f.text, f.token_ids, f.logprobs, f.finish_reason) == (full.text, full.token_ids, full.logprobs,
                                                                       "length")
         assert f.cumulative_logprob == pytest.approx(full.cumulative_logprob)
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_abort_mid_generation(llm: LLM) -> None:
@@ -228,6 +228,6 @@ def test_abort_mid_generation(llm: LLM) -> None:
     assert outs[0].outputs[0].finish_reason == "abort" and outs[0].outputs[0].token_ids == []
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks
-    assert_all_free(llm)
+    assert_engine_idle(llm)
     # the engine still serves
     assert llm.generate([PROMPT], greedy_sp(6))[0].outputs[0].finish_reason == "length"

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
-from sampling_helpers import PROMPT, assert_all_free, greedy_sp, hf_first_logits, load_tokenizer
-from tiny_models import hf_greedy_with_logits, random_prompts
+from sampling_helpers import PROMPT, greedy_sp, hf_first_logits, load_tokenizer
+from tiny_models import assert_engine_idle, hf_greedy_with_logits, random_prompts
 
 from kvgate.engine import LLM, SamplingParams
 
@@ -39,7 +39,7 @@ def test_max_tokens_gives_length(llm: LLM, tiny_llama: str) -> None:
         assert comp.finish_reason == "length" and comp.stop_reason is None
     out = llm.generate([PROMPT], greedy_sp(5))[0]
     assert out.num_prompt_tokens == len(PROMPT) and out.num_completion_tokens == 5
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_max_model_len_gives_length(tiny_llama: str) -> None:
@@ -53,7 +53,7 @@ def test_max_model_len_gives_length(tiny_llama: str) -> None:
         assert comp.finish_reason == "length"
     comp = llm.generate([[5] * 39], SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert len(comp.token_ids) == 1 and comp.finish_reason == "length"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_stop_token_ids(llm: LLM, tiny_llama: str) -> None:
@@ -69,7 +69,7 @@ def test_stop_token_ids(llm: LLM, tiny_llama: str) -> None:
     outs = llm.generate([PROMPT, PROMPT], [greedy_sp(16, stop_token_ids=[stop]), greedy_sp(16)])
     assert outs[0].outputs[0].token_ids == expected[:k + 1] and outs[1].outputs[0].token_ids == expected
     assert outs[1].outputs[0].finish_reason == "length"
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_include_stop_str_in_output_keeps_the_stop_token_text(llm: LLM, tiny_llama: str) -> None:
@@ -83,7 +83,7 @@ def test_include_stop_str_in_output_keeps_the_stop_token_text(llm: LLM, tiny_lla
     comp = llm.generate([PROMPT], greedy_sp(16, stop_token_ids=[stop], include_stop_str_in_output=True))[0].outputs[0]
     assert comp.token_ids == expected[:k + 1] and comp.finish_reason == "stop" and comp.stop_reason == stop
     assert comp.text == tok.decode(expected[:k + 1])
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 def test_min_tokens_defers_stop_token(llm: LLM, tiny_llama: str) -> None:
@@ -102,7 +102,7 @@ def test_min_tokens_defers_stop_token(llm: LLM, tiny_llama: str) -> None:
             assert comp.token_ids[-1] == stop and comp.stop_reason == stop
         else:
             assert comp.finish_reason == "length" and len(comp.token_ids) == 16
-    assert_all_free(llm)
+    assert_engine_idle(llm)
 
 
 @pytest.fixture(scope="module")
@@ -143,4 +143,4 @@ def test_eos_stops_unless_ignored(eos_model: tuple[str, int, int], tiny_llama: s
         assert (eos in comp.token_ids) == (comp.finish_reason == "stop")
         if eos in comp.token_ids:
             assert comp.token_ids.index(eos) == len(comp.token_ids) - 1
-    assert_all_free(llm)
+    assert_engine_idle(llm)

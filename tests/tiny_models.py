@@ -176,7 +176,7 @@ def load_hf_model(model_dir: str) -> PreTrainedModel:
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """Tiny models run 10x faster on one thread than on several when other processes share the CPU."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -184,6 +184,16 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def assert_engine_idle(llm) -> None:
+    """Nothing left in the engine of an LLM: no request, nothing scheduled, every KV block free and unshared."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert engine.requests == {}
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
 
 
 @torch.no_grad()
@@ -197,7 +207,7 @@ def hf_greedy_with_logits(
     model = load_hf_model(str(model_dir))
     all_ids: list[list[int]] = []
     all_logits: list[torch.Tensor] = []
-    with _one_thread():
+    with one_thread():
         for prompt in prompt_token_ids:
             out = model.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
