@@ -4,6 +4,10 @@ optionally next to transformers' batched `generate` on the same model and reques
   python benchmarks/throughput.py                                 # 256 seqs, lengths U[100, 1024]
   python benchmarks/throughput.py --num-seqs 16 --min-input 100 --max-input 200 --min-output 128 --max-output 128
   python benchmarks/throughput.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --compare-hf
+  python benchmarks/throughput.py ... --concurrency 200   # 200 in flight, the next one added as one finishes
+
+--concurrency C keeps C requests in the engine and adds the next as one finishes (the arrivals an online server
+with C clients sees, without HTTP): steps then mix new prompts with decodes, which the all-at-once run rarely does.
 """
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ import platform
 import random
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import append_results, device_name, print_table  # noqa: E402
 
-from kvgate.engine import LLM, SamplingParams  # noqa: E402
+from kvgate.engine import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
@@ -30,7 +35,8 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]
 
 def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], int]]]:
     kw = dict(load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              enable_prefix_caching=not args.no_prefix_caching, skip_tokenizer_init=args.load_format == "dummy")
+              enable_prefix_caching=not args.no_prefix_caching,
+              skip_tokenizer_init=args.load_format == "dummy" and not args.detokenize)
     if args.max_num_batched_tokens:
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.attention_backend:
@@ -50,7 +56,10 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
     if llm.engine.config.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params)
+    if args.concurrency:
+        outs = closed_loop(llm.engine, reqs, params, args.concurrency)
+    else:
+        outs = llm.generate([p for p, _ in reqs], params)
     if llm.engine.config.device.type == "cuda":
         torch.cuda.synchronize()
     secs = time.perf_counter() - t0
@@ -62,6 +71,10 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
     if args.torch_profile:
         torch_profile(llm, reqs)
     mode = ["eager" if getattr(llm.engine.runner, "graphs", None) is None else "cuda graphs"]
+    if args.concurrency:
+        mode.append(f"{args.concurrency} in flight")
+    if llm.engine.tokenizer is not None:
+        mode.append("detokenized")
     if any(getattr(m, "fused", False) for m in llm.engine.runner.model.modules()):
         mode.append("fused ops")
     return {"engine": f"kvgate ({cfg.attention_backend}, {', '.join(mode)})", "dtype": str(cfg.dtype).replace("torch.", ""),
@@ -69,6 +82,27 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
             "output_tok_s": round(out_tokens / secs, 1),
             "total_tok_s": round((out_tokens + sum(len(p) for p, _ in reqs)) / secs, 1),
             "load_s": round(load_s, 1)}, reqs
+
+
+def closed_loop(engine, reqs: list[tuple[list[int], int]], params: list[SamplingParams], concurrency: int) -> list:
+    """Keep `concurrency` requests in the engine, adding the next one as soon as one finishes."""
+    params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
+    todo = list(range(len(reqs)))[::-1]
+    done: dict[int, object] = {}
+
+    def add() -> None:
+        i = todo.pop()
+        engine.add_request(str(i), {"prompt_token_ids": reqs[i][0]}, params[i])
+
+    for _ in range(min(concurrency, len(reqs))):
+        add()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out
+                if todo:
+                    add()
+    return [done[i] for i in range(len(reqs))]
 
 
 class _Timed:
@@ -96,6 +130,15 @@ def attach_step_timers(engine) -> dict:
     engine.runner.execute = _Timed(engine.runner.execute, timers, "execute", sync)
     engine.sampler = _Timed(engine.sampler, timers, "sample", sync)
     engine.step = _Timed(engine.step, timers, "step", False)
+    prepare = engine.runner.prepare
+
+    def counted(scheduled):  # steps of decodes only (CUDA graphs where there are some) and the others (eager)
+        key = "decode-only steps" if all(n == 1 and len(s) - s.num_computed_tokens == 1 for s, n in scheduled) \
+            else "steps with prompt tokens"
+        timers[key] = timers.get(key, 0) + 1
+        return prepare(scheduled)
+
+    engine.runner.prepare = counted
     return timers
 
 
@@ -106,6 +149,7 @@ def print_step_profile(timers: dict, secs: float) -> None:
     parts["outputs"] = step - sum(parts.values())
     parts["outside step"] = secs - step
     print("# where the time goes (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    print("# steps: " + ", ".join(f"{timers.get(k, 0)} {k}" for k in ("decode-only steps", "steps with prompt tokens")))
 
 
 def torch_profile(llm, reqs: list[tuple[list[int], int]]) -> None:
@@ -167,11 +211,14 @@ def main() -> None:
     ap.add_argument("--min-output", type=int, default=100)
     ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: all at once)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--detokenize", action="store_true",
+                    help="with dummy weights, still load the model dir's tokenizer and detokenize, as a server does")
     ap.add_argument("--profile", action="store_true", help="print where the step time goes")
     ap.add_argument("--torch-profile", action="store_true", help="print the top GPU kernels of a short run")
     ap.add_argument("--compare-hf", action="store_true")

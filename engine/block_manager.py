@@ -58,6 +58,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
         """Make seq's block table cover `num_tokens` tokens, first reusing `computed` (prefix-cache hits, only
         for a sequence with no blocks yet). Returns False, changing nothing, when blocks are short."""
+        if not computed and num_tokens <= len(seq.block_table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         computed = computed or []
         assert not computed or not seq.block_table
         new = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed)

@@ -41,6 +41,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
     skip_tokenizer_init: bool = False
+    engine_core_process: bool | None = None  # async engine: the engine loop in its own process (None: on CUDA)
     served_model_name: str | None = None
 
     def create_engine_config(self) -> "EngineConfig":
@@ -109,8 +110,8 @@ class EngineConfig:
             bad(f"max_model_len must be in [2, {limit}] for this model, got {max_model_len}")
         if a.max_num_batched_tokens is not None:
             budget = a.max_num_batched_tokens
-        elif a.enable_chunked_prefill:
-            budget = max(2048, max_num_seqs)
+        elif a.enable_chunked_prefill:  # vLLM's online defaults: a burst of prompts is prefilled in fewer steps on GPU
+            budget = max(8192 if device.type == "cuda" else 2048, max_num_seqs)
         else:
             budget = max(max_model_len, max_num_seqs)
         if not a.enable_chunked_prefill and budget < max_model_len:

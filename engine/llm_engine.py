@@ -24,6 +24,21 @@ logger = logging.getLogger(__name__)
 PromptType = str | list[int] | dict[str, Any]
 
 
+def encode_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """(prompt text or None, prompt token ids) for a string, a list of token ids or a dict with either."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt", "")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
+        return prompt, (tokenizer.encode(prompt) if prompt else [])
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt'/'prompt_token_ids'")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -51,6 +66,7 @@ class LLMEngine:
         self.num_steps = 0
         self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
+        self.output_prompts = True  # False: outputs leave prompt and prompt_token_ids None (the caller has them)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -58,17 +74,7 @@ class LLMEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): pass prompt token ids")
-            return prompt, (self.tokenizer.encode(prompt) if prompt else [])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError("prompt must be a string, a list of token ids, or a dict with 'prompt'/'prompt_token_ids'")
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     priority: int = DEFAULT_PRIORITY, max_batch_delay: float | None = None,
@@ -195,7 +201,8 @@ class LLMEngine:
             entry[token] = Logprob(chosen, rank, self._decode_one(token))
             seq.logprobs.append(entry)
         reason, stop_reason = None, None
-        past_min = seq.num_output_tokens >= sp.min_tokens
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        past_min = num_output >= sp.min_tokens
         if past_min and not sp.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif past_min and token in sp.stop_token_ids:
@@ -207,8 +214,8 @@ class LLMEngine:
                 hit = check_stop_strings(seq, len(delta), sp.stop, sp.include_stop_str_in_output)
             if hit is not None:
                 reason, stop_reason = "stop", hit
-        if reason is None and ((sp.max_tokens is not None and seq.num_output_tokens >= sp.max_tokens)
-                               or len(seq) >= self.max_model_len):
+        if reason is None and ((sp.max_tokens is not None and num_output >= sp.max_tokens)
+                               or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -220,24 +227,30 @@ class LLMEngine:
     def _make_output(self, req: Request, force: bool = False) -> RequestOutput | None:
         sp = req.sampling_params
         finished = req.finished
-        if sp.output_kind == RequestOutputKind.FINAL_ONLY and not finished and not force:
+        kind = sp.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished and not force:
             return None
-        holdback = max((len(s) for s in sp.stop), default=1) - 1 if sp.stop else 0
+        holdback = max(len(s) for s in sp.stop) - 1 if sp.stop else 0
         outs = []
-        for seq in req.seqs:
-            text = seq.text if seq.is_finished or not holdback else seq.text[: max(0, len(seq.text) - holdback)]
-            tokens = seq.output_token_ids
+        for seq in req.seqs:  # hot: once per request and step when streaming
+            done = seq.status is SequenceStatus.FINISHED
+            end = len(seq.text) if done or not holdback else max(0, len(seq.text) - holdback)
             logprobs = seq.logprobs if sp.logprobs is not None else None
-            if sp.output_kind == RequestOutputKind.DELTA:
-                text, tokens = text[seq.sent_text_len:], tokens[seq.sent_token_len:]
+            if kind is RequestOutputKind.DELTA:
+                first = seq.num_prompt_tokens + seq.sent_token_len
+                text, tokens = seq.text[seq.sent_text_len:end], seq.token_ids[first:]
                 logprobs = logprobs[seq.sent_token_len:] if logprobs is not None else None
                 seq.sent_text_len += len(text)
                 seq.sent_token_len += len(tokens)
-            outs.append(CompletionOutput(seq.index, text, list(tokens),
+            else:
+                text, tokens = seq.text[:end], seq.output_token_ids
+            outs.append(CompletionOutput(seq.index, text, tokens,
                                          seq.cumulative_logprob if sp.logprobs is not None else None,
                                          logprobs, seq.finish_reason, seq.stop_reason))
         metrics = {"arrival_time": req.arrival_time}
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
+        if not self.output_prompts:
+            return RequestOutput(req.request_id, None, None, outs, finished or force, metrics=metrics)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished or force,
                              metrics=metrics)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 from torch import nn
@@ -75,6 +76,36 @@ class ModelRunner:
                 functools.partial(graph_partition_size, num_kv_heads=mc.num_key_value_heads,
                                   max_model_len=config.max_model_len, device=self.device))
             self.graphs.capture()
+        if self.device.type == "cuda":
+            self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run the eager step shapes that live traffic meets once (decodes with and without split-K next to prompt
+        chunks, a prompt alone), so that their kernels compile now and not while the first requests wait."""
+        t0 = time.perf_counter()
+        long_ctx = min(4096, self.config.max_model_len - 1)
+        many = max(1, min(64, self.config.max_num_seqs - 2))
+        for num_decodes, decode_len, prompts in ((1, long_ctx, [20]), (many, 17, [5, 40]), (0, 0, [33])):
+            q_lens = [1] * num_decodes + prompts
+            seq_lens = [decode_len] * num_decodes + prompts
+            starts = [0]
+            for n in q_lens:
+                starts.append(starts[-1] + n)
+            width = -(-max(seq_lens) // self.block_size)
+            dev, tokens = self.device, starts[-1]
+            md = AttentionMetadata(
+                slot_mapping=torch.full((tokens,), -1, dtype=torch.long, device=dev),  # nothing is stored
+                query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                block_tables=torch.zeros((len(q_lens), width), dtype=torch.int32, device=dev),
+                num_decodes=num_decodes, max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                block_size=self.block_size, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+            ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+            with forward_context(md, self.attention_fn):
+                self.model.compute_logits(self.model(ids, ids))
+        torch.cuda.synchronize()
+        logger.info("warmed up eager steps in %.1fs", time.perf_counter() - t0)
 
     @property
     def block_bytes(self) -> int:

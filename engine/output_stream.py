@@ -36,6 +36,7 @@ class RequestOutputStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
         self.delta = delta
+        self.prompt: tuple[str | None, list[int]] | None = None  # filled into outputs that come without it
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
 

@@ -100,9 +100,12 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
 
         # 1. running sequences: decodes first, then prefill chunks, each in priority order
-        self.running.sort(key=lambda s: self._order(s, now))
-        decodes = [s for s in self.running if len(s) - s.num_computed_tokens == 1]
-        chunks = [s for s in self.running if len(s) - s.num_computed_tokens > 1]
+        aging = self.priority_aging_rate
+        self.running.sort(key=lambda s: (-(s.request.priority + aging * (now - s.request.arrival_time)),
+                                         s.request.arrival_time, s.index))  # = self._order, inlined (hot)
+        decodes, chunks = [], []
+        for s in self.running:
+            (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else chunks).append(s)
         for seq in decodes + chunks:
             if seq.status != SequenceStatus.RUNNING or self._budget <= 0:
                 continue
@@ -122,9 +125,10 @@ class Scheduler:
         if not self._out.preempted and self.waiting:
             self._admit()
 
-        is_decode = {s: n == 1 and len(s) - s.num_computed_tokens == 1 for s, n in self._planned.items()}
-        items = list(self._planned.items())
-        self._out.scheduled = [x for x in items if is_decode[x[0]]] + [x for x in items if not is_decode[x[0]]]
+        first, rest = [], []
+        for seq, n in self._planned.items():
+            (first if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1 else rest).append((seq, n))
+        self._out.scheduled = first + rest  # decodes first
         return self._out
 
     def _plan(self, seq: Sequence, n: int) -> None:

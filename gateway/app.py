@@ -238,7 +238,7 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         s = embedded_for(req.model)
-        vocab = s.engine.engine.config.model_config.vocab_size
+        vocab = s.engine.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
         return {"prompt": s.tokenizer.decode(req.tokens)}

@@ -95,14 +95,14 @@ class EmbeddedBackend:
         n = self.engine.num_requests  # exact: counted when a request is admitted, on this thread
         if not self.engine.is_ready:
             return LoadState(running=n, scraped_at=now)
-        seats = self.engine.engine.config.max_num_seqs
+        seats = self.engine.config.max_num_seqs
         stats = getattr(self.engine, "stats", None)  # the engine thread's last snapshot, where there is one
         kv = stats.kv_cache_usage_perc if stats is not None else 0.0
         return LoadState(running=min(n, seats), waiting=max(0, n - seats), capacity=seats, kv_usage=kv,
                          scraped_at=now)
 
     def queue_full(self, max_queue_len: int) -> bool:
-        return self.engine.num_requests - self.engine.engine.config.max_num_seqs >= max_queue_len
+        return self.engine.num_requests - self.engine.config.max_num_seqs >= max_queue_len
 
     async def check(self) -> None:
         if self.engine.is_dead:

@@ -81,9 +81,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"[kvgate] {name}: failed to load after {engine.load_time:.1f}s: {engine.load_error}",
                       file=sys.stderr, flush=True)
             else:
-                e = engine.engine
-                print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {e.config.device} "
-                      f"({e.block_manager.num_blocks} KV blocks of {e.config.args.block_size} tokens)",
+                c, where = engine.config, "its own process" if engine.in_process else "a thread"
+                print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {c.device}, engine core on {where} "
+                      f"({engine.stats.num_blocks} KV blocks of {c.args.block_size} tokens)",
                       file=sys.stderr, flush=True)
         return on_loaded
 
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--served-model-name", help="the model id clients send (default: from the model path)")
     sv.add_argument("--scheduler-delay", type=float, help="seconds a prefill may wait to be batched (default: 0)")
     sv.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    sv.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
+                    help="run each engine loop in its own process (default: on CUDA, not on CPU)")
     sv.add_argument("--api-key", help="require this Bearer key (default: $KVGATE_API_KEY, else none)")
     sv.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default: 8 MiB)")
     sv.add_argument("--max-queue-len", type=int, help="waiting requests per model before 429 (default: 1024)")

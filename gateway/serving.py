@@ -19,6 +19,19 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+class ChunkTemplate:
+    """The SSE chunks of one stream that differ only in one text field, rendered exactly as `sse(payload)` would
+    render them, for the cost of encoding that string (the streaming hot path: one chunk per token or so)."""
+    MARK = "\x00kvgate-text\x00"
+
+    def __init__(self, payload: dict) -> None:  # payload holds MARK where the text goes
+        self.head, found, self.tail = sse(payload).partition(json.dumps(self.MARK, ensure_ascii=False))
+        assert found, "the payload must hold ChunkTemplate.MARK"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
 class OpenAIServing:
     """One served model: its engine, tokenizer and limits."""
 
@@ -29,11 +42,11 @@ class OpenAIServing:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.config.max_model_len
 
     # ---- prompts and limits ------------------------------------------------------------------------------------
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
@@ -113,20 +126,35 @@ class OpenAIServing:
             return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
                         "choices": choices, **extra})
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(req.n)])
-        async for out in prepend(first, outs):
+        plain = ChunkTemplate({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
+                               "choices": [{"index": 0, "delta": {"content": ChunkTemplate.MARK}, "logprobs": None,
+                                            "finish_reason": None}]}) if req.n == 1 and not req.logprobs else None
+
+        def render(out: RequestOutput) -> str | None:
+            nonlocal completion
+            if plain is not None and len(out.outputs) == 1 and out.outputs[0].finish_reason is None:
+                o = out.outputs[0]  # the common case: one sample, text, not the end
+                completion += len(o.token_ids)
+                return plain(o.text) if o.text else None
             choices = []
             for o in out.outputs:
                 completion += len(o.token_ids)
-                if not o.text and not o.token_ids and o.finish_reason is None:
+                if not o.text and o.finish_reason is None:  # tokens whose text is held back: nothing to send yet
                     continue
                 lp = {"content": self._chat_logprobs(o.logprobs or [], o.token_ids, req.top_logprobs or 0)} \
                     if req.logprobs else None
                 choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
                                 "finish_reason": o.finish_reason})
-            if choices:
-                yield chunk(choices)
+            return chunk(choices) if choices else None
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(req.n)])
+        if first is not None and (text := render(first)) is not None:
+            yield text
+        if first is not None and not first.finished:
+            async for out in outs:
+                if (text := render(out)) is not None:
+                    yield text
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], usage=usage(prompt_len, completion))
         yield sse("[DONE]")
@@ -163,7 +191,22 @@ class OpenAIServing:
     async def _completion_stream(self, req: CompletionRequest, rid: str, prompt: list[int],
                                  first: RequestOutput | None, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
         created, completion, echoed = int(time.time()), 0, set()
-        async for out in prepend(first, outs):
+
+        def chunk(choices: list[dict], **extra: Any) -> str:
+            return sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                        "choices": choices, **extra})
+
+        plain = ChunkTemplate({"id": rid, "object": "text_completion", "created": created, "model": self.name,
+                               "choices": [{"index": 0, "text": ChunkTemplate.MARK, "finish_reason": None,
+                                            "logprobs": None}]}) \
+            if req.n == 1 and req.logprobs is None and not req.echo else None
+
+        def render(out: RequestOutput) -> str | None:
+            nonlocal completion
+            if plain is not None and len(out.outputs) == 1 and out.outputs[0].finish_reason is None:
+                o = out.outputs[0]  # the common case: one sample, text, not the end
+                completion += len(o.token_ids)
+                return plain(o.text) if o.text else None
             choices = []
             for o in out.outputs:
                 completion += len(o.token_ids)
@@ -175,12 +218,16 @@ class OpenAIServing:
                 choices.append({"index": o.index, "text": text, "finish_reason": o.finish_reason,
                                 "logprobs": self._completion_logprobs(o.logprobs or [], o.token_ids, req.logprobs or 0)
                                 if req.logprobs is not None else None})
-            if choices:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                           "choices": choices})
+            return chunk(choices) if choices else None
+
+        if first is not None and (text := render(first)) is not None:
+            yield text
+        if first is not None and not first.finished:
+            async for out in outs:
+                if (text := render(out)) is not None:
+                    yield text
         if req.stream_options and req.stream_options.include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                       "choices": [], "usage": usage(len(prompt), completion)})
+            yield chunk([], usage=usage(len(prompt), completion))
         yield sse("[DONE]")
 
     # ---- helpers -------------------------------------------------------------------------------------------------
@@ -232,13 +279,3 @@ async def anext_or_none(it: AsyncIterator[RequestOutput]) -> RequestOutput | Non
         return await it.__anext__()
     except StopAsyncIteration:
         return None
-
-
-async def prepend(first: RequestOutput | None, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    if first is not None:
-        yield first
-        if first.finished:
-            return
-    async for out in rest:
-        yield out
-

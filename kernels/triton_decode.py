@@ -93,7 +93,14 @@ def attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, k_rows, v_rows, n_mask, q_idx, k
     return m_new, l_i, acc
 
 
-@triton.jit
+# Values that change from step to step are not specialized on (Triton would otherwise compile a variant for each
+# divisibility-by-16 / alignment class it meets: a stall of ~1 s per variant on live traffic). The index
+# pointers may be slices of a larger batch's metadata (decodes first), so their alignment varies too.
+_STEP_VALUES = ["partition_size", "stride_bt"]
+_INDEX_POINTERS = ["block_tables_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=_STEP_VALUES, do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
@@ -155,7 +162,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_parts"], do_not_specialize_on_alignment=["seq_lens_ptr"])
 def _reduce_kernel(
     out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, partition_size, num_parts, stride_ot,
     stride_oh, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,

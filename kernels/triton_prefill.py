@@ -33,7 +33,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 64, 32, 8, 2
 
 
-@triton.jit
+# not specialized on values that change per step (block-table width) nor on the alignment of the index pointers,
+# which are slices past the step's decodes: see triton_decode._STEP_VALUES
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale,

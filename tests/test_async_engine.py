@@ -1,4 +1,5 @@
-"""AsyncLLMEngine: concurrent streams, cancellation frees blocks, bad input fails only its caller."""
+"""AsyncLLMEngine: concurrent streams, cancellation frees blocks, bad input fails only its caller; with the engine
+core on a thread and in its own process (calls into the core are module-level functions, so both can run them)."""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +14,22 @@ from kvgate.engine.sampling_params import RequestOutputKind
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture
-def engine(tiny_llama: str):
+@pytest.fixture(scope="module", params=["core-thread", "core-process"])
+def engine(request: pytest.FixtureRequest, tiny_llama: str):
     eng = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, scheduler_delay=0.05, max_batch_size=8,
-                                                          enable_preemption=True, num_gpu_blocks_override=64))
+                                                          enable_preemption=True, num_gpu_blocks_override=64,
+                                                          engine_core_process=request.param == "core-process"))
     yield eng
     eng.shutdown()
+
+
+def core_state(e) -> tuple[list[str], int, int]:
+    """Runs in the engine core: live request ids, free KV blocks, all KV blocks."""
+    return list(e.requests), e.block_manager.num_free_blocks, e.block_manager.num_blocks
+
+
+def priorities(e) -> dict[str, tuple[int, float | None]]:
+    return {rid: (req.priority, req.max_batch_delay) for rid, req in e.requests.items()}
 
 
 async def collect(eng: AsyncLLMEngine, rid: str, prompt, **kw) -> list[int]:
@@ -41,7 +52,7 @@ def test_concurrent_streams_match_offline_engine(engine: AsyncLLMEngine, tiny_ll
 
 
 def test_cancel_mid_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine, tiny_llama: str) -> None:
-    async def main() -> tuple[int, int, list[str]]:
+    async def main() -> tuple[list[str], int, int]:
         seen = 0
         gen = engine.generate([5, 6, 7, 8] * 10, SamplingParams(**GREEDY, max_tokens=400,
                                                                  output_kind=RequestOutputKind.DELTA), "long")
@@ -51,10 +62,9 @@ def test_cancel_mid_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine, tiny_
                 break
         await gen.aclose()  # what a server does when the client disconnects
         assert len(await collect(engine, "after", [9, 10, 11], max_tokens=5)) == 5  # the engine goes on
-        return await engine.call(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks,
-                                            list(e.requests)))
+        return await engine.call(core_state)
 
-    free, total, live = asyncio.run(main())
+    live, free, total = asyncio.run(main())
     assert live == [] and free == total
 
 
@@ -73,16 +83,10 @@ def test_invalid_request_fails_alone_and_engine_keeps_serving(engine: AsyncLLMEn
 
 def test_priority_and_batch_delay_reach_the_scheduler(engine: AsyncLLMEngine) -> None:
     async def main() -> tuple[int, float | None]:
-        seen: dict[str, tuple[int, float | None]] = {}
-
-        def spy(e) -> None:
-            for req in e.requests.values():
-                seen[req.request_id] = (req.priority, req.max_batch_delay)
-
         gen = engine.generate([7, 8, 9], SamplingParams(**GREEDY, max_tokens=50), "p", priority=90,
                               max_batch_delay=0.01)
         await gen.__anext__()
-        await engine.call(spy)
+        seen = await engine.call(priorities)
         await gen.aclose()
         return seen["p"]
 
@@ -123,7 +127,7 @@ def test_stats_snapshot_records_request_latencies(engine: AsyncLLMEngine) -> Non
         gen = engine.generate([9, 9, 9], SamplingParams(**GREEDY, max_tokens=300), "gone")
         await gen.__anext__()
         await gen.aclose()
-        after = await engine.call(snapshot)  # runs on the engine thread after the abort
+        after = await engine.call(snapshot)  # runs in the engine core after the abort
         assert after.request_success["abort"] - done.request_success["abort"] == 1
         assert moved(done, after)[E2E_REQUEST_LATENCY] == 0  # a client that left is not timed
         assert after.num_free_blocks == after.num_blocks and after.num_requests_running == 0
@@ -139,9 +143,7 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(engine: Async
 
     async def main() -> tuple[list[int], list[str], int, int]:
         tokens = await asyncio.wait_for(collect(engine, "next", [5, 6], max_tokens=4), timeout=60)
-        state = await engine.call(lambda e: (list(e.requests), e.block_manager.num_free_blocks,
-                                             e.block_manager.num_blocks))
-        return tokens, *state
+        return tokens, *await engine.call(core_state)
 
     tokens, live, free, total = asyncio.run(main())
     assert len(tokens) == 4 and live == [] and free == total  # the orphan was aborted, its blocks freed

@@ -44,10 +44,12 @@ def running(engine: AsyncLLMEngine, **app_kwargs) -> Iterator[str]:
         engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dirs: dict[str, str]):
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_model_dirs["qwen3"], max_num_seqs=16,
-                                                             num_gpu_blocks_override=128))
+@pytest.fixture(scope="module", params=["core-thread", "core-process"])
+def server(request: pytest.FixtureRequest, tiny_model_dirs: dict[str, str]):
+    """The same tests with the engine core on a thread (the CPU default) and in its own process (the CUDA one)."""
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=tiny_model_dirs["qwen3"], max_num_seqs=16, num_gpu_blocks_override=128,
+        engine_core_process=request.param == "core-process"))
     with running(engine) as base:
         yield base, engine
 
@@ -69,7 +71,7 @@ def test_chat_stream_equals_non_stream_and_usage_matches_tokenizer(client: opena
     assert streamed == full.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
-    tok = server[1].engine.tokenizer
+    tok = server[1].tokenizer
     prompt_ids = tok.apply_chat_template(MSGS, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert full.usage.prompt_tokens == len(prompt_ids) == chunks[-1].usage.prompt_tokens
     assert full.usage.completion_tokens == 20
@@ -124,8 +126,8 @@ def test_errors_have_openai_shape_and_status(client: openai.OpenAI, server) -> N
     raw = httpx.post(f"{server[0]}/v1/chat/completions", content=b"{not json",
                      headers={"content-type": "application/json"})
     assert raw.status_code == 400 and raw.json()["error"]["message"].startswith("malformed JSON")
-    engine = server[1].engine
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # nothing leaked
+    stats = server[1].stats  # the core's snapshot after its last turn
+    assert stats.num_free_blocks == stats.num_blocks  # nothing leaked
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server) -> None:
@@ -136,10 +138,11 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server) -> None:
         for _ in range(3):
             next(lines)
     deadline = time.time() + 10
-    while time.time() < deadline and engine.engine.requests:
+    while time.time() < deadline and (engine.num_requests or engine.stats.num_requests_running):
         time.sleep(0.05)
-    assert not engine.engine.requests
-    assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+    stats = engine.stats  # the core's snapshot after it ran the abort (on a thread or in its own process)
+    assert engine.num_requests == 0 and stats.num_requests_running == stats.num_requests_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
 
 
 def test_many_concurrent_streams_complete(server) -> None:
@@ -163,7 +166,7 @@ def test_health_models_version_tokenize_metrics(server, client: openai.OpenAI) -
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{base}/version").json()["version"]
     ids = httpx.post(f"{base}/tokenize", json={"model": MODEL, "prompt": "café 日本語"}).json()["tokens"]
-    assert ids == engine.engine.tokenizer.encode("café 日本語")
+    assert ids == engine.tokenizer.encode("café 日本語")
     assert httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"] == "café 日本語"
 
     def gen_tokens() -> float:

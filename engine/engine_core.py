@@ -1,0 +1,155 @@
+"""EngineCore: the engine loop behind AsyncLLMEngine, on a thread or in a process of its own (vLLM v1's EngineCore).
+
+Commands arrive in an inbox queue: ("add", request_id, prompt, sampling_params, priority, max_batch_delay,
+arrival_time), ("abort", request_id), ("call", call_id, fn) and ("stop",). Between commands the loop steps the
+engine, and after each turn that did something it emits one CoreOutputs: the step's outputs, the requests that
+failed (refused input, a failed step), the results of calls and a fresh EngineStats snapshot.
+
+On a thread, `emit` hands CoreOutputs straight to AsyncLLMEngine. In a process of its own (`run_core_process`), a
+reader thread fills the inbox from a pipe and `emit` writes to it: the API process (HTTP, JSON, SSE) and the
+engine (scheduling, step tensors, sampling, detokenization) then stop sharing one GIL.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvgate.engine.config import EngineArgs
+from kvgate.engine.llm_engine import LLMEngine
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.stats import EngineStats, snapshot
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreOutputs:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it ended)
+    results: list[tuple[int, BaseException | None, Any]] = field(default_factory=list)  # (call id, error, value)
+    stats: EngineStats | None = None
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, inbox: "queue.Queue[tuple]", emit: Callable[[CoreOutputs], None]) -> None:
+        self.engine = engine
+        self.inbox = inbox
+        self.emit = emit
+        self._stopped = False
+        self._pending = CoreOutputs()  # failures and call results of the commands run since the last emit
+
+    def run(self) -> None:
+        engine = self.engine
+        engine.sleep_when_held = False  # wait on the inbox instead, so new requests join the held batch
+        while not self._stopped:
+            wake = engine.scheduler.next_wakeup
+            if not engine.has_unfinished_requests():
+                ran = self._drain(timeout=0.5)
+            elif wake is not None:
+                ran = self._drain(timeout=max(0.0, wake - time.monotonic()))
+            else:
+                ran = self._drain(timeout=None)
+            out, self._pending = self._pending, CoreOutputs()
+            stepped = not self._stopped and engine.has_unfinished_requests()
+            if stepped:
+                try:
+                    out.outputs = engine.step()
+                except Exception as e:  # a failed step fails the requests in it, never the loop
+                    logger.exception("engine step failed")
+                    out.failed += self._fail_all(e)
+            if ran or stepped:
+                out.stats = snapshot(engine)
+                self.emit(out)
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Run every queued command; wait up to `timeout` seconds for the first one (None or 0: do not wait)."""
+        try:
+            cmd = self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            self._run_command(cmd)
+            try:
+                cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _run_command(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, sp, priority, delay, arrival = cmd
+            try:
+                self.engine.add_request(rid, prompt, sp, priority, delay, arrival_time=arrival)
+            except Exception as e:  # invalid input: reported to this request's caller only
+                self._pending.failed.append((rid, e))
+        elif kind == "abort":
+            self.engine.abort_request(cmd[1])
+        elif kind == "call":
+            try:
+                self._pending.results.append((cmd[1], None, cmd[2](self.engine)))
+            except Exception as e:
+                self._pending.results.append((cmd[1], e, None))
+        elif kind == "stop":
+            self._stopped = True
+
+    def _fail_all(self, error: Exception) -> list[tuple[str, BaseException]]:
+        rids = list(self.engine.requests)
+        self.engine.abort_request(rids)
+        return [(rid, RuntimeError(f"internal engine error: {error}")) for rid in rids]
+
+
+# ---- the engine core in a process of its own ---------------------------------------------------------------------
+def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNING) -> None:
+    """The child process's entry point: load, report ("ready", max_model_len, stats) or ("load_error", error),
+    then run the loop until a stop command or the parent's end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent, which stops us through the pipe
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
+    try:
+        engine = LLMEngine.from_engine_args(args)
+        engine.output_prompts = False  # the API process keeps each request's prompt and fills it in
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("load_error", _picklable(e)))
+        return
+    conn.send(("ready", engine.max_model_len, snapshot(engine)))
+    inbox: queue.Queue[tuple] = queue.Queue()
+    threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
+
+    def emit(out: CoreOutputs) -> None:
+        try:
+            conn.send(out)  # pickles first: nothing is written when that fails
+        except OSError:  # the parent is gone
+            inbox.put(("stop",))
+        except Exception as e:  # a call's result that cannot be pickled: its caller gets the error instead
+            out.results = [(cid, TypeError(f"the result of this call cannot be sent between processes: {e}"), None)
+                           for cid, _, _ in out.results]
+            conn.send(out)
+
+    EngineCore(engine, inbox, emit).run()
+
+
+def _read_commands(conn: Any, inbox: "queue.Queue[tuple]") -> None:
+    """Move commands from the pipe into the inbox as they come, so the parent's writes never wait on a step."""
+    while True:
+        try:
+            cmd = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            inbox.put(("stop",))
+            return
+        inbox.put(cmd)
+        if cmd[0] == "stop":
+            return
+
+
+def _picklable(e: BaseException) -> BaseException:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
