@@ -55,8 +55,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return {"ttft": ttft, "itl": itl, "tpot": tpot, "tokens": tokens, "latency": end - t0}
 
 
-async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list[list[int]]
+async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list[list[int]], start_at: float
                        ) -> tuple[list[dict], float]:
+    """Send the prompts from wall-clock time `start_at` on (every load-generator process starts together);
+    returns the results and the wall-clock time the last one finished."""
     url = args.base_url.rstrip("/") + "/completions"
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
@@ -65,12 +67,13 @@ async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list
             async with sem:
                 return await one_request(client, url, args.model, p, args.output_len, args.api_key)
 
-        t0 = time.perf_counter()
+        await client.get(args.base_url.rstrip("/") + "/models")  # connect and import before the clock starts
+        await asyncio.sleep(max(0.0, start_at - time.time()))
         results = await asyncio.gather(*(guarded(p) for p in prompts))
-        return list(results), time.perf_counter() - t0
+        return list(results), time.time()
 
 
-def _worker(job: tuple[argparse.Namespace, int, list[list[int]]]) -> tuple[list[dict], float]:
+def _worker(job: tuple[argparse.Namespace, int, list[list[int]], float]) -> tuple[list[dict], float]:
     return asyncio.run(run_requests(*job))
 
 
@@ -78,14 +81,17 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
     """One concurrency level; with --workers N the clients are split over N processes (so that the load
     generator's own Python is not what limits a fast server)."""
     n = max(1, min(args.workers, concurrency))
+    start_at = time.time() + (0.2 if n == 1 else 5.0)  # time for the worker processes to start and import
     if n == 1:
-        results, secs = _worker((args, concurrency, prompts))
+        results, end = _worker((args, concurrency, prompts, start_at))
     else:
-        jobs = [(args, concurrency // n + (1 if i < concurrency % n else 0), prompts[i::n]) for i in range(n)]
+        jobs = [(args, concurrency // n + (1 if i < concurrency % n else 0), prompts[i::n], start_at)
+                for i in range(n)]
         with multiprocessing.get_context("spawn").Pool(n) as pool:
-            parts = pool.map(_worker, jobs)
+            parts = pool.map(_worker, jobs, chunksize=1)
         results = [r for part, _ in parts for r in part]
-        secs = max(t for _, t in parts)
+        end = max(t for _, t in parts)
+    secs = end - start_at  # from the common start to the last response
     ttft = [r["ttft"] * 1e3 for r in results]
     tpot = [r["tpot"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 4's GPU serving benchmark in one go: kvgate serve with Qwen3-0.6B shapes (dummy bf16 weights and a
-# synthetic tokenizer), `benchmarks/serving.py` at 128-token prompts (50/100/200 clients) and 1024-token prompts
-# (20/50/100 clients), then the offline engine on the same requests for the online/offline ratio (detokenized
-# with the same tokenizer, as the server does).
+# synthetic tokenizer), `benchmarks/serving.py` at 128-token prompts (1000 requests at 50/100/200 clients) and
+# 1024-token prompts (200 requests at 20/50/100 clients), then the offline engine on the same requests for the
+# online/offline ratio (detokenized with the same tokenizer, as the server does).
 #   bash benchmarks/serving_gpu.sh [OUT_DIR]        # tables in OUT_DIR (default: a temporary folder)
 #   SERVE_FLAGS=--no-engine-core-process LEVELS=128 bash benchmarks/serving_gpu.sh OUT   # engine loop on a thread
 set -euo pipefail
@@ -19,12 +19,12 @@ curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exi
 bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab 100000 --workers 4"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
-[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts 400 --concurrency 50 100 200 | tee "$out/serve128.txt"
+[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts 1000 --concurrency 50 100 200 | tee "$out/serve128.txt"
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0
 # the offline engine on the same model directory, detokenizing with the same tokenizer as the server
 offline="python benchmarks/throughput.py --model $model --load-format dummy --detokenize --min-output 128 --max-output 128"
-[[ $levels == *128* ]] && $offline --num-seqs 400 --min-input 128 --max-input 128 | tail -1 | tee "$out/offline128.txt"
+[[ $levels == *128* ]] && $offline --num-seqs 1000 --min-input 128 --max-input 128 | tail -1 | tee "$out/offline128.txt"
 [[ $levels == *1024* ]] && $offline --num-seqs 200 --min-input 1024 --max-input 1024 | tail -1 | tee "$out/offline1024.txt"
 true

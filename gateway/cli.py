@@ -69,6 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
+    from kvgate.engine.engine_core import freeze_gc_heap
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
     from kvgate.gateway.app import create_app
     from kvgate.gateway.router_config import build_router
@@ -81,6 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 print(f"[kvgate] {name}: failed to load after {engine.load_time:.1f}s: {engine.load_error}",
                       file=sys.stderr, flush=True)
             else:
+                # the server's heap stays for its lifetime: keep full GC collections (event-loop pauses) short
+                freeze_gc_heap()
                 c, where = engine.config, "its own process" if engine.in_process else "a thread"
                 print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {c.device}, engine core on {where} "
                       f"({engine.stats.num_blocks} KV blocks of {c.args.block_size} tokens)",

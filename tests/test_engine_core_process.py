@@ -24,16 +24,23 @@ def block_counts(e) -> tuple[int, int]:
     return e.block_manager.num_free_blocks, e.block_manager.num_blocks
 
 
+def frozen_objects(e) -> int:
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def test_calls_cross_the_pipe_and_shutdown_ends_the_process(tiny_llama: str) -> None:
     eng = start(tiny_llama, num_gpu_blocks_override=64)
 
     async def main() -> tuple[int, int]:
         with pytest.raises(Exception, match="pickle"):  # a lambda cannot reach another process: said at once
             eng.call(lambda e: e.requests)
-        return await eng.call(block_counts)
+        return await eng.call(block_counts), await eng.call(frozen_objects)
 
-    free, total = asyncio.run(main())
+    (free, total), frozen = asyncio.run(main())
     assert free == total == 64 and eng.stats.num_blocks == 64
+    assert frozen > 10_000  # the core froze its loaded heap: full collections no longer walk torch and the model
     eng.shutdown()
     assert not eng._process.is_alive() and eng._process.exitcode == 0  # stopped through the pipe, not killed
     assert eng.is_dead
