@@ -61,10 +61,15 @@ class ModelRunner:
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
-        # Fused RMSNorm / rotary / SiLU-and-mul kernels: opt-in (KVGATE_FUSED_OPS=1). On the H200 they made the
-        # throughput benchmark slower (5,955 vs 9,355 tok/s, benchmarks/RESULTS.md) and are not yet profiled.
-        if (self.device.type == "cuda" and config.attention_backend == "triton"
-                and os.environ.get("KVGATE_FUSED_OPS", "0") == "1"):
+        # The fused RMSNorm / rotary / SiLU-and-mul kernels (kernels/triton_fused.py), KVGATE_FUSED_OPS:
+        # "eager" (default): in eager steps (prompts, mixed steps), where they halve the GPU time of a 6,400-token
+        # step; the decode graphs are captured with the torch ops (with the fused ops in the graphs too, "all",
+        # the throughput benchmark ran slower: benchmarks/RESULTS.md). "none": never.
+        fused = os.environ.get("KVGATE_FUSED_OPS", "eager")
+        if fused not in ("eager", "all", "none"):
+            raise ValueError(f"KVGATE_FUSED_OPS must be eager, all or none, got {fused!r}")
+        fused_ok = self.device.type == "cuda" and config.attention_backend == "triton"
+        if fused_ok and fused == "all":
             use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.args.enforce_eager and config.attention_backend == "triton":
@@ -76,6 +81,8 @@ class ModelRunner:
                 functools.partial(graph_partition_size, num_kv_heads=mc.num_key_value_heads,
                                   max_model_len=config.max_model_len, device=self.device))
             self.graphs.capture()
+        if fused_ok and fused == "eager":
+            use_fused_ops(self.model)  # after the capture: the graphs keep the torch ops
         if self.device.type == "cuda":
             self.warm_up()
 
