@@ -33,7 +33,7 @@ def frozen_objects(e) -> int:
 def test_calls_cross_the_pipe_and_shutdown_ends_the_process(tiny_llama: str) -> None:
     eng = start(tiny_llama, num_gpu_blocks_override=64)
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[tuple[int, int], int]:
         with pytest.raises(Exception, match="pickle"):  # a lambda cannot reach another process: said at once
             eng.call(lambda e: e.requests)
         return await eng.call(block_counts), await eng.call(frozen_objects)
