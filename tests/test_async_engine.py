@@ -113,6 +113,9 @@ def test_stats_snapshot_records_request_latencies(engine: AsyncLLMEngine) -> Non
 
     async def main() -> None:
         await engine.wait_until_ready(timeout=60)
+        # an earlier test's aborted request may still be in a step: a call runs after it (commands are FIFO) and
+        # its result comes after the stats of every earlier step
+        assert (await engine.call(core_state))[0] == []
         before = engine.stats
         await asyncio.gather(*(collect(engine, f"s{i}", [3 + i, 4, 5], max_tokens=6) for i in range(4)))
         done = engine.stats  # published before the last outputs went out
