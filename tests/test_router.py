@@ -18,9 +18,9 @@ from kvgate.gateway.router import ModelRouter, RoutedRequest
 from kvgate.gateway.router_config import build_router
 from mock_upstream import MockUpstream, serving
 
-SLOW_STEP_S = 0.03
+SLOW_FACTOR = 1  # a slow step sleeps as long as the real step took: 2x slower on any machine
 class CountingEngine:
-    """An AsyncLLMEngine whose engine counts the requests it was given (and, if slow, sleeps in every step)."""
+    """An AsyncLLMEngine whose engine counts the requests it was given (and, if slow, sleeps after every step)."""
 
     def __init__(self, model_dir: str, slow: bool, max_num_seqs: int = 4) -> None:
         self.engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=model_dir, max_num_seqs=max_num_seqs))
@@ -36,9 +36,12 @@ class CountingEngine:
             return add(*a, **kw)
 
         def one_step():
-            if slow:
-                time.sleep(SLOW_STEP_S)
-            return step()
+            t0 = time.perf_counter()
+            out = step()
+            if slow:  # relative, not a fixed 30 ms sleep, whose speed ratio (10x and more on a quiet machine) put
+                # the fast engine's queue within 0-4 of the herding limit below and once on it (a CI flake)
+                time.sleep(max(0.002, SLOW_FACTOR * (time.perf_counter() - t0)))
+            return out
 
         core.add_request, core.step = add_request, one_step
 
