@@ -68,11 +68,11 @@ class ModelRunner:
         fused = os.environ.get("KVGATE_FUSED_OPS", "eager")
         if fused not in ("eager", "all", "none"):
             raise ValueError(f"KVGATE_FUSED_OPS must be eager, all or none, got {fused!r}")
-        fused_ok = self.device.type == "cuda" and config.attention_backend == "triton"
-        if fused_ok and fused == "all":
+        triton_gpu = self.device.type == "cuda" and config.attention_backend == "triton"
+        if triton_gpu and fused == "all":
             use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.args.enforce_eager and config.attention_backend == "triton":
+        if triton_gpu and not config.args.enforce_eager:
             from kvgate.kernels.triton_decode import graph_partition_size
 
             self.graphs = DecodeGraphs(
@@ -81,7 +81,7 @@ class ModelRunner:
                 functools.partial(graph_partition_size, num_kv_heads=mc.num_key_value_heads,
                                   max_model_len=config.max_model_len, device=self.device))
             self.graphs.capture()
-        if fused_ok and fused == "eager":
+        if triton_gpu and fused == "eager":
             use_fused_ops(self.model)  # after the capture: the graphs keep the torch ops
         if self.device.type == "cuda":
             self.warm_up()
