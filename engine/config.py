@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgate.engine.models.model_config import ModelConfig
+from kvgate.engine.pooling_params import PoolerConfig, has_sentence_transformers_pooling
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -43,6 +44,8 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     engine_core_process: bool | None = None  # async engine: the engine loop in its own process (None: on CUDA)
     served_model_name: str | None = None
+    runner: str = "auto"  # "generate" | "pooling" (embeddings); auto: pooling for *Model / sentence-transformers dirs
+    pooler_config: dict | None = None  # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
 
     def create_engine_config(self) -> "EngineConfig":
         return EngineConfig.from_args(self)
@@ -62,6 +65,8 @@ class EngineConfig:
     max_num_batched_tokens: int
     attention_backend: str
     served_model_name: str
+    runner: str = "generate"
+    pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -89,6 +94,14 @@ class EngineConfig:
             model_config = ModelConfig.from_hf_dict(read_gguf_config(model_path))
         else:
             model_config = ModelConfig.from_dir(model_path)
+        runner = a.runner
+        if runner == "auto":  # a checkpoint without an LM head, or a sentence-transformers one, is an embedding model
+            pooling = model_config.architecture.endswith("Model") or (
+                os.path.isdir(model_path) and has_sentence_transformers_pooling(model_path))
+            runner = "pooling" if pooling else "generate"
+        elif runner not in ("generate", "pooling"):
+            bad(f"runner must be one of auto, generate, pooling; got {runner!r}")
+        pooler = PoolerConfig.from_model(model_path, a.pooler_config) if runner == "pooling" else None
         device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
         if a.dtype == "auto":
             dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -122,7 +135,8 @@ class EngineConfig:
         name = a.served_model_name or _default_name(a.model, model_path)
         return cls(args=a, model_path=model_path, load_format=load_format, model_config=model_config, dtype=dtype,
                    kv_cache_dtype=kv_dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=budget, attention_backend=backend, served_model_name=name)
+                   max_num_batched_tokens=budget, attention_backend=backend, served_model_name=name,
+                   runner=runner, pooler_config=pooler)
 
 
 def _has_triton_backend() -> bool:
