@@ -7,4 +7,5 @@ from dify_plugin import ModelProvider
 class KvgateProvider(ModelProvider):
     def validate_provider_credentials(self, credentials: dict) -> None:
         """kvgate has no provider-wide credentials: each model's form (gateway URL, key, limits) is checked by
-        KvgateLargeLanguageModel.validate_credentials when the model is added."""
+        its model type's validate_credentials (KvgateLargeLanguageModel, KvgateTextEmbeddingModel) when the model is
+        added."""

@@ -52,7 +52,8 @@ def in_plugin_dir() -> Iterator[Path]:
 
 
 class Gateways:
-    """The running kvgate gateways (main, auth, busy: see kvgate_server.py) and what their engines recorded."""
+    """The running kvgate gateways (main, auth, busy, embed: see kvgate_server.py) and what their engines
+    recorded."""
 
     def __init__(self, urls: dict[str, str], record: Path) -> None:
         self.urls, self.record = urls, record
@@ -114,3 +115,11 @@ def llm(registration: Any) -> Callable[[], Any]:
     from dify_plugin.entities.model import ModelType
 
     return lambda: registration.get_model_instance("kvgate", ModelType.LLM)
+
+
+@pytest.fixture
+def embedding(registration: Any) -> Callable[[], Any]:
+    """A fresh text-embedding model instance per call, as the runner makes one per request."""
+    from dify_plugin.entities.model import ModelType
+
+    return lambda: registration.get_model_instance("kvgate", ModelType.TEXT_EMBEDDING)

@@ -14,7 +14,9 @@ from dify_plugin.entities.model.message import PromptMessage, SystemPromptMessag
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "dify_plugin"
 MODEL = "tiny"  # the name kvgate_server.py serves the tiny model under
-CONTEXT = 512  # the tiny model's context length
+EMBED_MODEL = "tiny-embed"  # the name its embed gateway serves the tiny embedding model under
+CONTEXT = 512  # the tiny models' context length
+EMBED_WINDOW_MS = 100  # the embedding tests' batching window: every input of a request shares one engine step
 
 
 def credentials(url: str, **overrides: Any) -> dict[str, str]:
@@ -23,6 +25,25 @@ def credentials(url: str, **overrides: Any) -> dict[str, str]:
             "timeout": "60", "max_batch_delay": "50", "priority": "50"}
     form.update({k: str(v) for k, v in overrides.items()})
     return form
+
+
+def embedding_credentials(url: str, **overrides: Any) -> dict[str, str]:
+    """An embedding model's credentials as Dify sends them: the LLM-only fields (mode, max_tokens_to_sample) are
+    hidden for this model type (show_on) and so never sent. Its batching window is EMBED_WINDOW_MS."""
+    form = {"vllm_endpoint": url, "context_size": str(CONTEXT), "max_chunks": "8", "timeout": "60",
+            "max_batch_delay": str(EMBED_WINDOW_MS), "priority": "50"}
+    form.update({k: str(v) for k, v in overrides.items()})
+    return form
+
+
+def gateway_embeddings(url: str, texts: list[str]) -> dict[str, Any]:
+    """The embed gateway's own answer to one /v1/embeddings request (float vectors), batched like the plugin's:
+    all texts held EMBED_WINDOW_MS into one engine step (see kvgate_server.py)."""
+    body = {"model": EMBED_MODEL, "input": texts, "encoding_format": "float"}
+    response = httpx.post(url + "/v1/embeddings", json=body, headers={"X-Max-Batch-Delay-Ms": str(EMBED_WINDOW_MS)},
+                          timeout=60)
+    response.raise_for_status()
+    return response.json()
 
 
 def marker() -> str:

@@ -1,17 +1,22 @@
-"""kvgate gateways on loopback for the Dify plugin tests, serving a tiny random model (run with the main venv).
+"""kvgate gateways on loopback for the Dify plugin tests, serving tiny random models (run with the main venv).
 
     python tests/dify/kvgate_server.py --model-dir DIR --record FILE --ready FILE
 
-starts three gateways in this one process (one model build, one torch import), each a real uvicorn server:
+starts four gateways in this one process (one torch import), each a real uvicorn server:
   main  scheduler_delay 30 s: a request is held that long unless its X-Max-Batch-Delay-Ms asks for less;
         model "auto" is routed to the tiny model
   auth  the same without the delay, with --api-key AUTH_KEY
   busy  one seat (max_num_seqs 1), no queue (max_queue_len 0), every engine step slowed by 50 ms: while one
         request runs, every other gets 429
-It writes {"main": url, "auth": url, "busy": url} to the --ready file once all are up, and appends one JSON line
-per request that an engine accepted to the --record file, read from the engine's own Request and Scheduler:
-request_id, server, prompt (decoded), priority, max_batch_delay (s), batch_window (s, the scheduler's hold) and
-the request's sampling parameters.
+  embed a tiny random embedding model (Qwen3Model with sentence-transformers pooling files, so kvgate serves it
+        with the pooling runner) as EMBED_MODEL, built in --model-dir's sibling "<dir>-embed". The same request
+        must give the same vectors to the last bit, and on a CPU engine those bits depend on which prompts share
+        a step and on whether a prefix came from the KV cache: so scheduler_delay 30 s as main (a request's
+        X-Max-Batch-Delay-Ms window puts all its inputs into one step) and no prefix caching
+It writes {"main": url, "auth": url, "busy": url, "embed": url} to the --ready file once all are up, and appends
+one JSON line per request that an engine accepted to the --record file (an embedding request: one line per input),
+read from the engine's own Request and Scheduler: request_id, server, prompt (decoded), priority, max_batch_delay
+(s), batch_window (s, the scheduler's hold) and the request's sampling parameters.
 It runs until it is terminated.
 """
 from __future__ import annotations
@@ -31,6 +36,7 @@ TESTS_DIR = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS_DIR))  # tiny_models
 
 MODEL = "tiny"
+EMBED_MODEL = "tiny-embed"
 AUTH_KEY = "sekret-dify"
 SCHEDULER_DELAY_S = 30.0
 BUSY_STEP_DELAY_S = 0.05
@@ -69,14 +75,14 @@ def slow_steps(async_engine: Any, seconds: float) -> None:
     core.step = step
 
 
-def start_gateway(engine: Any, auto_route: bool, app_kwargs: dict[str, Any]) -> str:
-    """A uvicorn server on a free loopback port serving `engine` as MODEL; returns its URL once it listens."""
+def start_gateway(engine: Any, name: str, auto_route: bool, app_kwargs: dict[str, Any]) -> str:
+    """A uvicorn server on a free loopback port serving `engine` as `name`; returns its URL once it listens."""
     import uvicorn
 
     from kvgate.gateway.app import create_app
     from kvgate.gateway.serving import OpenAIServing
 
-    app = create_app({MODEL: OpenAIServing(MODEL, engine)}, **app_kwargs)
+    app = create_app({name: OpenAIServing(name, engine)}, **app_kwargs)
     if auto_route:
         app.state.router.add_route("auto", lambda request: MODEL)
     with socket.socket() as s:
@@ -102,18 +108,23 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)  # tiny models run faster on one thread, and the machine is shared
-    from tiny_models import build_tiny_model
+    from tiny_models import build_tiny_embedding_model, build_tiny_model
 
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
 
     model_dir = Path(args.model_dir)
+    embed_dir = model_dir.with_name(model_dir.name + "-embed")
     if not (model_dir / "config.json").exists():
         build_tiny_model(model_dir, "qwen3")
+    if not (embed_dir / "config.json").exists():
+        build_tiny_embedding_model(embed_dir, "qwen3", seed=3)
     common = dict(model=str(model_dir), num_gpu_blocks_override=128)
     specs = {
         "main": (dict(max_num_seqs=16, scheduler_delay=SCHEDULER_DELAY_S), {}),
         "auth": (dict(max_num_seqs=16), {"api_key": AUTH_KEY}),
         "busy": (dict(max_num_seqs=1), {"max_queue_len": 0}),
+        "embed": (dict(max_num_seqs=16, scheduler_delay=SCHEDULER_DELAY_S, enable_prefix_caching=False,
+                       model=str(embed_dir)), {}),
     }
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -121,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     args.record.touch()
 
     def serve(name: str, engine_kwargs: dict, app_kwargs: dict, up: threading.Event) -> None:
-        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**common, **engine_kwargs))
+        engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**{**common, **engine_kwargs}))
         asyncio.run(engine.wait_until_ready(timeout=120))
         record_requests(name, engine, args.record, lock)
         if name == "busy":
             slow_steps(engine, BUSY_STEP_DELAY_S)
-        urls[name] = start_gateway(engine, name == "main", app_kwargs)
+        served = EMBED_MODEL if name == "embed" else MODEL
+        urls[name] = start_gateway(engine, served, name == "main", app_kwargs)
         up.set()
 
     for name, (engine_kwargs, app_kwargs) in specs.items():

@@ -20,12 +20,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from dify_helpers import MODEL, PLUGIN_DIR, REPO, credentials
+from dify_helpers import EMBED_MODEL, MODEL, PLUGIN_DIR, REPO, credentials, embedding_credentials, gateway_embeddings
 
 PLUGIN_FILES = {
     ".difyignore", ".env.example", "PRIVACY.md", "README.md", "main.py", "manifest.yaml", "requirements.txt",
-    "_assets/icon.svg", "provider/kvgate.py", "provider/kvgate.yaml", "models/llm/llm.py", "models/llm/errors.py",
-    "models/llm/messages.py", "models/llm/responses.py", "models/llm/settings.py",
+    "_assets/icon.svg", "provider/kvgate.py", "provider/kvgate.yaml", "models/common/client.py",
+    "models/common/errors.py", "models/common/settings.py", "models/llm/llm.py", "models/llm/messages.py",
+    "models/llm/responses.py", "models/llm/settings.py", "models/text_embedding/settings.py",
+    "models/text_embedding/text_embedding.py",
 }
 VERSION = yaml.safe_load((PLUGIN_DIR / "manifest.yaml").read_text())["version"]
 
@@ -127,6 +129,18 @@ def test_python_m_main_serverless_serves_the_packaged_plugin(serverless_plugin: 
     assert failed["data"]["type"] == "error"
     assert failed["data"]["data"]["error_type"] == "CredentialsValidateFailedError"
     assert "priority must be in [0, 100]" in failed["data"]["data"]["message"]
+
+
+def test_the_packaged_plugin_serves_text_embeddings(serverless_plugin: str, gateways: Any) -> None:
+    texts = ["hello world", "the packaged plugin embeds"]
+    direct = gateway_embeddings(gateways["embed"], texts)
+    (event,) = session_events(serverless_plugin, {
+        "type": "model", "action": "invoke_text_embedding", "model_type": "text-embedding", "model": EMBED_MODEL,
+        "credentials": embedding_credentials(gateways["embed"]), "texts": texts, "input_type": "document"})
+    assert event["data"]["type"] == "stream"
+    result = event["data"]["data"]
+    assert result["embeddings"] == [d["embedding"] for d in direct["data"]]
+    assert result["usage"]["tokens"] == direct["usage"]["prompt_tokens"]
 
 
 # ---- the packager's checks (its module is plain Python + PyYAML, so it loads here too) ---------------------------

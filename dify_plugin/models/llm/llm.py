@@ -6,7 +6,6 @@ usage, its /tokenize), never from a tokenizer downloaded at run time.
 """
 from __future__ import annotations
 
-import logging
 from collections.abc import Generator, Mapping
 from typing import Any
 
@@ -30,12 +29,11 @@ from dify_plugin.entities.model.message import (
 )
 from dify_plugin.errors.model import CredentialsValidateFailedError, InvokeError
 
-from models.llm.errors import INVOKE_ERROR_MAPPING, error_for_exception, error_for_status, gateway_message
+from models.common.client import count_tokens, send
+from models.common.errors import INVOKE_ERROR_MAPPING, error_for_exception
 from models.llm.messages import chat_messages, completion_prompt
 from models.llm.responses import StreamState, blocking_answer, sse_events
-from models.llm.settings import GatewaySettings
-
-logger = logging.getLogger(__name__)
+from models.llm.settings import LLMSettings
 
 # Dify's parameter name -> the OpenAI field kvgate reads (the same names)
 SAMPLING_PARAMETERS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "max_tokens", "seed")
@@ -48,11 +46,11 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
                 user: str | None = None) -> LLMResult | Generator[LLMResultChunk, None, None]:
         if tools:
             raise ValueError("tool calling is not supported by kvgate yet: remove the tools from this model's use")
-        settings = GatewaySettings.from_credentials(model, credentials)
+        settings = LLMSettings.from_credentials(model, credentials)
         path, body = self._request_body(settings, prompt_messages, model_parameters, stop, stream, user)
-        client = httpx.Client(timeout=settings.http_timeout(), headers=settings.headers())
+        client = settings.client()
         try:  # the answer's status is checked here, so HTTP errors surface through the SDK's error mapping
-            response = self._send(client, settings, path, body, stream)
+            response = send(client, settings, path, body, stream)
         except BaseException:
             client.close()
             raise
@@ -63,7 +61,7 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
                 client.close()
         return self._stream_chunks(model, credentials, settings, prompt_messages, client, response)
 
-    def _request_body(self, settings: GatewaySettings, prompt_messages: list[PromptMessage], parameters: dict,
+    def _request_body(self, settings: LLMSettings, prompt_messages: list[PromptMessage], parameters: dict,
                       stop: list[str] | None, stream: bool, user: str | None) -> tuple[str, dict[str, Any]]:
         body: dict[str, Any] = {"model": settings.model_name, "stream": stream}
         if settings.mode == "chat":
@@ -79,25 +77,7 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
             body["stream_options"] = {"include_usage": True}  # the gateway's own token counts end the stream
         return path, body
 
-    @staticmethod
-    def _send(client: httpx.Client, settings: GatewaySettings, path: str, body: dict[str, Any],
-              stream: bool) -> httpx.Response:
-        url = settings.url(path)
-        try:
-            response = client.send(client.build_request("POST", url, json=body), stream=stream)
-        except httpx.HTTPError as e:
-            raise error_for_exception(e, url, settings.timeout) from e
-        if response.status_code >= 400:
-            try:
-                response.read()
-            except httpx.HTTPError:
-                pass
-            finally:
-                response.close()
-            raise error_for_status(response)
-        return response
-
-    def _blocking_result(self, model: str, credentials: dict, settings: GatewaySettings,
+    def _blocking_result(self, model: str, credentials: dict, settings: LLMSettings,
                          prompt_messages: list[PromptMessage], response: httpx.Response) -> LLMResult:
         try:
             text, _, usage = blocking_answer(response.json(), settings.mode)
@@ -106,7 +86,7 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
         return LLMResult(model=model, message=AssistantPromptMessage(content=text),
                          usage=self._usage(model, credentials, settings, prompt_messages, text, usage))
 
-    def _stream_chunks(self, model: str, credentials: dict, settings: GatewaySettings,
+    def _stream_chunks(self, model: str, credentials: dict, settings: LLMSettings,
                        prompt_messages: list[PromptMessage], client: httpx.Client,
                        response: httpx.Response) -> Generator[LLMResultChunk, None, None]:
         """Content chunks as they arrive, then one last chunk with the usage and the finish reason.
@@ -133,61 +113,43 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
             index=index, message=AssistantPromptMessage(content=tail), usage=usage,
             finish_reason=state.finish_reason or "stop"))
 
-    def _usage(self, model: str, credentials: dict, settings: GatewaySettings, prompt_messages: list[PromptMessage],
+    def _usage(self, model: str, credentials: dict, settings: LLMSettings, prompt_messages: list[PromptMessage],
                text: str, usage: Mapping[str, int] | None) -> LLMUsage:
         """The gateway's usage; an upstream that sent none is counted with the gateway's /tokenize."""
         if usage and usage.get("prompt_tokens") is not None and usage.get("completion_tokens") is not None:
             prompt, completion = int(usage["prompt_tokens"]), int(usage["completion_tokens"])
         else:
-            prompt = self._count_tokens(settings, {"messages": chat_messages(prompt_messages)}
-                                        if settings.mode == "chat" else {"prompt": completion_prompt(prompt_messages)})
-            completion = self._count_tokens(settings, {"prompt": text, "add_special_tokens": False}) if text else 0
+            with settings.client() as client:
+                prompt = count_tokens(client, settings, _prompt_body(settings, prompt_messages))
+                answer = {"prompt": text, "add_special_tokens": False}
+                completion = count_tokens(client, settings, answer) if text else 0
         return self._calc_response_usage(model, credentials, prompt, completion)
 
     # ---- token counting -----------------------------------------------------------------------------------------
     def get_num_tokens(self, model: str, credentials: dict, prompt_messages: list[PromptMessage],
                        tools: list[PromptMessageTool] | None = None) -> int:
         """The prompt's length in the gateway model's own tokens (kvgate's /tokenize applies its chat template)."""
-        settings = GatewaySettings.from_credentials(model, credentials)
-        if settings.mode == "chat":
-            return self._count_tokens(settings, {"messages": chat_messages(prompt_messages)})
-        return self._count_tokens(settings, {"prompt": completion_prompt(prompt_messages)})
-
-    @staticmethod
-    def _count_tokens(settings: GatewaySettings, body: dict[str, Any]) -> int:
-        """/tokenize's count; where the gateway cannot tokenize (an upstream without /tokenize, the "auto" router),
-        an offline estimate of one token per 4 bytes of text, logged as such."""
-        url = settings.url("/tokenize")
-        try:
-            with httpx.Client(timeout=settings.http_timeout(), headers=settings.headers()) as client:
-                response = client.post(url, json={"model": settings.model_name, **body})
-            if response.status_code == 200:
-                return int(response.json()["count"])
-            reason = f"{response.status_code}: {gateway_message(response)}"
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            reason = repr(e)
-        text = body.get("prompt") or "\n".join(m["content"] for m in body.get("messages", []))
-        estimate = max(1, len(text.encode("utf-8")) // 4)
-        logger.warning("kvgate /tokenize at %s failed (%s); estimating %d tokens", url, reason, estimate)
-        return estimate
+        settings = LLMSettings.from_credentials(model, credentials)
+        with settings.client() as client:
+            return count_tokens(client, settings, _prompt_body(settings, prompt_messages))
 
     # ---- credentials and schema ---------------------------------------------------------------------------------
     def validate_credentials(self, model: str, credentials: dict) -> None:
         """One small real request (1 token) through the same path as every call: headers, key, model, mode."""
         try:
-            settings = GatewaySettings.from_credentials(model, credentials)
+            settings = LLMSettings.from_credentials(model, credentials)
         except ValueError as e:
             raise CredentialsValidateFailedError(str(e)) from e
         path, body = self._request_body(settings, [_ping()], {"max_tokens": 1, "temperature": 0}, None, False, None)
         try:
-            with httpx.Client(timeout=settings.http_timeout(), headers=settings.headers()) as client:
-                self._send(client, settings, path, body, stream=False).close()
+            with settings.client() as client:
+                send(client, settings, path, body).close()
         except InvokeError as e:
             raise CredentialsValidateFailedError(str(e)) from e
 
     def get_customizable_model_schema(self, model: str, credentials: Mapping) -> AIModelEntity:
         try:
-            settings = GatewaySettings.from_credentials(model, credentials)
+            settings = LLMSettings.from_credentials(model, credentials)
             mode, context, max_tokens = settings.mode, settings.context_size, settings.max_tokens
         except ValueError:  # a bad form is reported by validate_credentials and by _invoke; keep the UI usable
             mode, context, max_tokens = "chat", 4096, 4096
@@ -204,6 +166,14 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
 
 def _ping() -> PromptMessage:
     return UserPromptMessage(content="ping")
+
+
+def _prompt_body(settings: LLMSettings, prompt_messages: list[PromptMessage]) -> dict[str, Any]:
+    """/tokenize's body for the prompt as the gateway sees it: chat messages (it applies the chat template) or the
+    completion prompt."""
+    if settings.mode == "chat":
+        return {"messages": chat_messages(prompt_messages)}
+    return {"prompt": completion_prompt(prompt_messages)}
 
 
 # parameters that Dify knows by name (its templates add translated labels and help)

@@ -63,7 +63,7 @@ def error_for_exception(error: Exception, url: str, timeout: float) -> InvokeErr
     return InvokeError(f"calling kvgate at {url} failed: {error!r}")
 
 
-# for LargeLanguageModel._invoke_error_mapping: errors raised by this plugin are already of the right type;
+# for every model type's _invoke_error_mapping: errors raised by this plugin are already of the right type;
 # ValueError (bad credentials or parameters found before any request) is a bad request
 INVOKE_ERROR_MAPPING: dict[type[InvokeError], list[type[Exception]]] = {
     InvokeConnectionError: [InvokeConnectionError, httpx.TransportError],
