@@ -5,6 +5,7 @@ import os
 import site
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,14 @@ def test_pip_install_into_fresh_venv(tmp_path: Path) -> None:
     assert where.stdout.strip().startswith(str(venv)), where.stdout  # the installed copy, not the source tree
     for generic in ("engine", "kernels", "gateway"):  # no generic top-level names are installed
         assert not Path(purelib, generic).exists()
+    meta = subprocess.run([str(py), "-c", "import importlib.metadata as m; d = m.distribution('kvgate');"
+                           "print(d.metadata['License-Expression'], d.version);"
+                           "print(any(str(f).endswith('LICENSE') for f in d.files))"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env)
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert meta.stdout.split() == ["Apache-2.0", declared, "True"], meta.stdout + meta.stderr
+    version = subprocess.run([str(venv / "bin" / "kvgate"), "--version"], capture_output=True, text=True, env=env)
+    assert version.stdout.strip() == f"kvgate {declared}"
 
 
 def test_kvgate_dify_package_builds_the_plugin(tmp_path, capsys) -> None:
