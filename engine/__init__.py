@@ -1,10 +1,18 @@
-"""kvgate's inference engine: paged KV cache, continuous batching, prefix caching, priorities."""
-from kvgate.engine.config import EngineArgs, EngineConfig
-from kvgate.engine.llm import LLM
-from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.memory_monitor import MemoryMonitor
-from kvgate.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
+"""kvgate's inference engine: paged KV cache, continuous batching, prefix caching, priorities.
 
-__all__ = ["EngineArgs", "EngineConfig", "LLM", "LLMEngine", "MemoryMonitor", "CompletionOutput", "Logprob",
-           "RequestOutput", "RequestOutputKind", "SamplingParams"]
+The public names load on first use (PEP 562), so that `kvgate --help`, which reads only engine/arg_utils.py,
+does not import torch."""
+from importlib import import_module
+from typing import Any
+
+_WHERE = {"EngineArgs": "arg_utils", "EngineConfig": "config", "LLM": "llm", "LLMEngine": "llm_engine",
+          "MemoryMonitor": "memory_monitor", "CompletionOutput": "outputs", "Logprob": "outputs",
+          "RequestOutput": "outputs", "RequestOutputKind": "sampling_params", "SamplingParams": "sampling_params",
+          "PoolingOutput": "outputs", "PoolingRequestOutput": "outputs", "PoolingParams": "pooling_params"}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -26,7 +26,8 @@ from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.engine_core import CoreOutputs, EngineCore, run_core_process
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from kvgate.engine.output_stream import RequestOutputStream
-from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
 from kvgate.engine.stats import EngineStats, snapshot
@@ -117,14 +118,48 @@ class AsyncLLMEngine:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = DEFAULT_PRIORITY, max_batch_delay: float | None = None
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream this request's outputs; raises ValueError for invalid input (nothing is left behind)."""
+        """Stream this request's outputs; raises ValueError for invalid input (nothing is left behind), and on an
+        engine of the pooling runner."""
+        stream = await self._submit(prompt, sampling_params, request_id, priority, max_batch_delay,
+                                    sampling_params.output_kind == RequestOutputKind.DELTA)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                finished = item.finished
+                yield item  # type: ignore[misc]
+                if finished:
+                    return
+        finally:
+            if not finished:  # cancelled, failed or the consumer stopped early: free its blocks now
+                self.abort(request_id)
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None, request_id: str,
+                     priority: int = DEFAULT_PRIORITY, max_batch_delay: float | None = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's encode(): pool this prompt on an embedding model (runner="pooling"). Yields one output, finished,
+        whose `outputs.embedding` is a list of floats; raises ValueError for invalid input (nothing is left
+        behind) and on an engine of the generate runner. Closing the iterator early aborts the request."""
+        stream = await self._submit(prompt, pooling_params or PoolingParams(), request_id, priority,
+                                    max_batch_delay, False)
+        try:
+            item = await stream.get()  # the only output (pooling outputs are always finished)
+        except BaseException:  # cancelled or failed: free its blocks now
+            self.abort(request_id)
+            raise
+        yield item  # type: ignore[misc]
+
+    async def _submit(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
+                      priority: int, max_batch_delay: float | None, delta: bool) -> RequestOutputStream:
+        """Check, register the request's stream and send it to the core; the caller reads the stream."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         if not self.is_ready:
             await self.wait_until_ready()
+        check_runner(self.config.runner, isinstance(params, PoolingParams))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestOutputStream(asyncio.get_running_loop(), sampling_params.output_kind == RequestOutputKind.DELTA)
+        stream = RequestOutputStream(asyncio.get_running_loop(), delta)
         if self.in_process:  # the core's outputs leave the prompt out: this side keeps it
             text, ids = encode_prompt(self.tokenizer, prompt)
             stream.prompt, prompt = (text, ids), {"prompt": text, "prompt_token_ids": ids}
@@ -133,18 +168,8 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is not running")
         arrival = time.monotonic()  # now, not when the core gets to it: latencies include that wait
-        self._command(("add", request_id, prompt, sampling_params, priority, max_batch_delay, arrival))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # cancelled, failed or the consumer stopped early: free its blocks now
-                self.abort(request_id)
+        self._command(("add", request_id, prompt, params, priority, max_batch_delay, arrival))
+        return stream
 
     @property
     def num_requests(self) -> int:
@@ -235,7 +260,7 @@ class AsyncLLMEngine:
                                f"{self._process.join(5) or self._process.exitcode})") from None
         if report[0] == "load_error":
             raise report[1]
-        _, config.max_model_len, self.stats = report
+        _, config, self.stats = report  # the core's own config: what it resolved (max_model_len, dtype, ...)
         self.config, self.tokenizer, self._conn = config, tokenizer, parent
         if self._stopped:  # shut down while loading
             self._command(("stop",))
@@ -259,7 +284,7 @@ class AsyncLLMEngine:
         """Hand a turn's outputs, failures and call results to their event loops: one call per loop."""
         if out.stats is not None:
             self.stats = out.stats  # before the outputs go out: a caller that saw them sees these stats
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestOutputStream, RequestOutput | BaseException]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestOutputStream, EngineOutput | BaseException]]] = {}
         for o in out.outputs:
             stream = self._streams.get(o.request_id)
             if stream is None:
@@ -276,7 +301,7 @@ class AsyncLLMEngine:
         for loop, items in by_loop.items():
             if not _send(loop, items):  # the callers' event loop is gone: nobody reads these, stop the requests
                 for stream, item in items:
-                    if isinstance(item, RequestOutput) and not item.finished:
+                    if isinstance(item, (RequestOutput, PoolingRequestOutput)) and not item.finished:
                         self.abort(item.request_id)
         for cid, error, value in out.results:
             loop, fut = self._calls.pop(cid, (None, None))
@@ -292,7 +317,7 @@ def _settle(fut: asyncio.Future, error: BaseException | None, value: Any) -> Non
         fut.set_exception(error) if error is not None else fut.set_result(value)
 
 
-def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputStream, RequestOutput | BaseException]]
+def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputStream, EngineOutput | BaseException]]
           ) -> bool:
     """Push items into their streams on `loop` (from the engine thread); False when that loop is closed."""
     def push_all() -> None:

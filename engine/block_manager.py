@@ -41,8 +41,9 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of seq's tokens (never the block of its last token, so that at least
-        one token is computed and its logits exist)."""
-        if not self.enable_prefix_caching:
+        one token is computed and its logits exist); none for a request that skips reading the prefix cache (a
+        pooling request whose pooling needs every token's hidden state)."""
+        if not self.enable_prefix_caching or seq.request.skip_reading_prefix_cache:
             return []
         bs, hits, parent = self.block_size, [], None
         for i in range((len(seq) - 1) // bs):
@@ -77,7 +78,8 @@ class BlockManager:
                 seq.block_table.append(bid)
             seq.num_hashed_blocks = len(computed)
             seq.num_computed_tokens = len(computed) * self.block_size
-        elif self.enable_prefix_caching and not seq.block_table and seq.num_computed_tokens == 0:
+        elif (self.enable_prefix_caching and not seq.block_table and seq.num_computed_tokens == 0
+              and not seq.request.skip_reading_prefix_cache):
             self.prefix_cache_queries += len(seq)
         for _ in range(max(new, 0)):
             bid, _ = self.free_queue.popitem(last=False)

@@ -1,9 +1,10 @@
 """EngineCore: the engine loop behind AsyncLLMEngine, on a thread or in a process of its own (vLLM v1's EngineCore).
 
-Commands arrive in an inbox queue: ("add", request_id, prompt, sampling_params, priority, max_batch_delay,
-arrival_time), ("abort", request_id), ("call", call_id, fn) and ("stop",). Between commands the loop steps the
-engine, and after each turn that did something it emits one CoreOutputs: the step's outputs, the requests that
-failed (refused input, a failed step), the results of calls and a fresh EngineStats snapshot.
+Commands arrive in an inbox queue: ("add", request_id, prompt, params, priority, max_batch_delay, arrival_time),
+where params is a SamplingParams (generate) or a PoolingParams (an embedding, whose output is a
+PoolingRequestOutput), ("abort", request_id), ("call", call_id, fn) and ("stop",). Between commands the loop steps
+the engine, and after each turn that did something it emits one CoreOutputs: the step's outputs, the requests
+that failed (refused input, a failed step), the results of calls and a fresh EngineStats snapshot.
 
 On a thread, `emit` hands CoreOutputs straight to AsyncLLMEngine. In a process of its own (`run_core_process`), a
 reader thread fills the inbox from a pipe and `emit` writes to it: the API process (HTTP, JSON, SSE) and the
@@ -22,7 +23,7 @@ from typing import Any, Callable
 
 from kvgate.engine.config import EngineArgs
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.outputs import EngineOutput
 from kvgate.engine.stats import EngineStats, snapshot
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CoreOutputs:
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[EngineOutput] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it ended)
     results: list[tuple[int, BaseException | None, Any]] = field(default_factory=list)  # (call id, error, value)
     stats: EngineStats | None = None
@@ -83,9 +84,9 @@ class EngineCore:
     def _run_command(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, sp, priority, delay, arrival = cmd
+            _, rid, prompt, params, priority, delay, arrival = cmd
             try:
-                self.engine.add_request(rid, prompt, sp, priority, delay, arrival_time=arrival)
+                self.engine.add_request(rid, prompt, params, priority, delay, arrival_time=arrival)
             except Exception as e:  # invalid input: reported to this request's caller only
                 self._pending.failed.append((rid, e))
         elif kind == "abort":
@@ -106,8 +107,8 @@ class EngineCore:
 
 # ---- the engine core in a process of its own ---------------------------------------------------------------------
 def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNING) -> None:
-    """The child process's entry point: load, report ("ready", max_model_len, stats) or ("load_error", error),
-    then run the loop until a stop command or the parent's end of the pipe closes."""
+    """The child process's entry point: load, report ("ready", the engine's EngineConfig, stats) or ("load_error",
+    error), then run the loop until a stop command or the parent's end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent, which stops us through the pipe
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     try:
@@ -117,7 +118,7 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
         conn.send(("load_error", _picklable(e)))
         return
     freeze_gc_heap()
-    conn.send(("ready", engine.max_model_len, snapshot(engine)))
+    conn.send(("ready", engine.config, snapshot(engine)))  # the config as this engine resolved it
     inbox: queue.Queue[tuple] = queue.Queue()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
 

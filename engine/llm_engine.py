@@ -1,4 +1,5 @@
-"""LLMEngine: add_request / abort_request / step over the scheduler, block manager, model runner and sampler."""
+"""LLMEngine: add_request / abort_request / step over the scheduler, block manager, model runner and sampler (the
+generate runner) or pooler (the pooling runner: embedding models; one runner per engine, EngineConfig.runner)."""
 from __future__ import annotations
 
 import logging
@@ -11,7 +12,10 @@ from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
 from kvgate.engine.model_runner import ModelRunner
-from kvgate.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
+    RequestOutput
+from kvgate.engine.pooler import Pooler
+from kvgate.engine.pooling_params import PoolerConfig, PoolingParams, check_runner
 from kvgate.engine.sampler import Sampler
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler
@@ -60,6 +64,7 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = eos
         self.sampler = Sampler(config.model_config.vocab_size, eos)
+        self.pooler = Pooler(config.pooler_config or PoolerConfig()) if config.runner == "pooling" else None
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0  # totals, for metrics
         self.num_generation_tokens = 0
@@ -76,34 +81,44 @@ class LLMEngine:
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return encode_prompt(self.tokenizer, prompt)
 
-    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
                     priority: int = DEFAULT_PRIORITY, max_batch_delay: float | None = None,
                     arrival_time: float | None = None) -> None:
-        sp = sampling_params or SamplingParams()
+        """Queue a request: a generate request (SamplingParams, None: the defaults) or a pooling request
+        (PoolingParams), each refused by an engine of the other runner. Invalid input raises a ValueError and
+        leaves nothing behind."""
+        pooling = isinstance(params, PoolingParams)
+        check_runner(self.config.runner, pooling)
+        sp = SamplingParams() if pooling or params is None else params
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.encode_prompt(prompt)
-        self.validate_prompt(ids)
+        self.validate_prompt(ids, pooling)
+        if pooling:
+            params.verify(self.pooler.config, self.config.model_config.hidden_size)
         if not isinstance(priority, int) or isinstance(priority, bool) or not 0 <= priority <= 100:
             raise ValueError(f"priority must be an integer in [0, 100] (higher is more urgent), got {priority!r}")
         if max_batch_delay is not None and max_batch_delay < 0:
             raise ValueError(f"max_batch_delay must be >= 0 seconds, got {max_batch_delay}")
         if sp.n > self.config.max_num_seqs:
             raise ValueError(f"n={sp.n} samples cannot run together: max_num_seqs is {self.config.max_num_seqs}")
+        req = Request(request_id, text, ids, sp, priority, max_batch_delay, pooling_params=params if pooling else None,
+                      skip_reading_prefix_cache=pooling and self.pooler.config.needs_every_token)
         if not self.config.args.enable_preemption:
-            longest = min(len(ids) + (sp.max_tokens or self.max_model_len), self.max_model_len)
+            extra = req.max_output_tokens
+            longest = min(len(ids) + (self.max_model_len if extra is None else extra), self.max_model_len)
             need = sp.n * self.block_manager.blocks_needed(longest)
             if need > self.block_manager.num_blocks:
                 raise ValueError(f"this request may need {need} KV blocks ({sp.n} x {longest} tokens) but the cache "
                                  f"has {self.block_manager.num_blocks} and preemption is off: lower max_tokens or n")
         if sp.logprobs is not None and sp.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.args.max_logprobs}, got {sp.logprobs}")
-        req = Request(request_id, text, ids, sp, priority, max_batch_delay)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         for i in range(sp.n):
             seq = Sequence(req, i, list(ids))
-            init_offsets(seq)
+            if not pooling:
+                init_offsets(seq)
             if sp.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed((sp.seed * 1000003 + i) % 2**63)
             req.seqs.append(seq)
@@ -111,19 +126,23 @@ class LLMEngine:
         self.num_prompt_tokens += len(ids)
         self.scheduler.add(req.seqs[0])  # the others fork from it once the prompt is computed
 
-    def validate_prompt(self, ids: list[int]) -> None:
+    def validate_prompt(self, ids: list[int], pooling: bool = False) -> None:
+        """A pooling prompt may fill max_model_len; a generate prompt must leave room for one output token."""
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
         vocab = self.config.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if pooling and len(ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context length is "
+                             f"{self.max_model_len} tokens")
+        if not pooling and len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens, but this model's maximum context length is "
                              f"{self.max_model_len} tokens (at most {self.max_model_len - 1} prompt tokens, "
                              f"leaving room for one output token)")
 
-    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outs = []
         for rid in ids:
@@ -144,13 +163,15 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- the step -----------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         out = self.scheduler.schedule()
         if out.is_empty:
             wake = self.scheduler.next_wakeup
             if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
                 time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
             return []
+        if self.pooler is not None:
+            return self._pooling_step(out.scheduled)
         logits = self.runner.execute(out.scheduled)
         self.num_steps += 1
         sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)]
@@ -188,6 +209,28 @@ class LLMEngine:
                 self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
 
+    def _pooling_step(self, scheduled: list[tuple[Sequence, int]]) -> list[EngineOutput]:
+        """Prefill chunks only: every sequence whose prompt is now computed is pooled and finishes ("stop")."""
+        pooled = self.pooler.step(self.runner.execute_hidden(scheduled), scheduled)
+        self.num_steps += 1
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        outputs: list[EngineOutput] = []
+        now = time.monotonic()
+        for (seq, _), embedding in zip(pooled, self.pooler.finish(pooled)):
+            req = seq.request
+            self.scheduler.finish(seq, "stop")  # frees its blocks (full ones stay in the prefix cache)
+            self.requests.pop(req.request_id, None)
+            self.latency_stats.on_finished(req, now, "stop")
+            outputs.append(self._pooling_output(req, embedding))
+        return outputs
+
+    def _pooling_output(self, req: Request, embedding: list[float]) -> PoolingRequestOutput:
+        prompt, ids = (req.prompt, req.prompt_token_ids) if self.output_prompts else (None, None)
+        return PoolingRequestOutput(req.request_id, prompt, ids,  # type: ignore[arg-type]
+                                    PoolingOutput(embedding), True, metrics={"arrival_time": req.arrival_time})
+
     def _append_token(self, seq: Sequence, token: int, lp: tuple | None) -> None:
         req, sp = seq.request, seq.request.sampling_params
         seq.token_ids.append(token)
@@ -224,7 +267,9 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
-    def _make_output(self, req: Request, force: bool = False) -> RequestOutput | None:
+    def _make_output(self, req: Request, force: bool = False) -> EngineOutput | None:
+        if req.pooling_params is not None:  # only reached on abort: no embedding
+            return self._pooling_output(req, [])
         sp = req.sampling_params
         finished = req.finished
         kind = sp.output_kind

@@ -47,11 +47,12 @@ class ModelRunner:
         mc = config.model_config
         torch.manual_seed(config.args.seed)
         self.attention_fn = get_attention_backend(config.attention_backend)
-        self.model = get_model(mc, config.model_path, config.load_format, config.dtype, self.device, config.args.seed)
+        self.model = get_model(mc, config.model_path, config.load_format, config.dtype, self.device, config.args.seed,
+                               pooling=config.runner == "pooling")
         if self.device.type == "cpu" and os.environ.get("KVGATE_TUNE_MALLOC", "1") == "1":
             tune_cpu_allocator()
         if can_pack(self.device, config.dtype):  # CPU: oneDNN pre-packed matmuls
-            if self.model.lm_head is None:
+            if self.model.lm_head is None and not self.model.pooling:
                 self.model.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
                 self.model.lm_head.weight = self.model.embed_tokens.weight
             pack_linears(self.model)
@@ -72,7 +73,7 @@ class ModelRunner:
         if triton_gpu and fused == "all":
             use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
-        if triton_gpu and not config.args.enforce_eager:
+        if triton_gpu and not config.args.enforce_eager and config.runner == "generate":  # pooling: prefill only
             from kvgate.kernels.triton_decode import graph_partition_size
 
             self.graphs = DecodeGraphs(
@@ -208,14 +209,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Run one step; returns float32 logits for every sequence whose tokens are now all computed."""
-        input_ids, positions, md, rows = self.prepare(scheduled)
-        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
-            hidden = self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables)
-        else:
-            with forward_context(md, self.attention_fn):
-                hidden = self.model(input_ids, positions)
+        hidden, rows = self._forward(scheduled)
         if not rows:
             return hidden.new_empty((0, self.config.model_config.vocab_size), dtype=torch.float32)
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute_hidden(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Run one step of the pooling runner; returns the final (normed) hidden states of every scheduled token,
+        [num_tokens, hidden_size] in the model's dtype, flat in the scheduled order (each sequence's new tokens
+        one after another)."""
+        return self._forward(scheduled)[0]
+
+    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
+        """The model over one step: (hidden states of every scheduled token, the rows whose logits are needed)."""
+        input_ids, positions, md, rows = self.prepare(scheduled)
+        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
+            return self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables), rows
+        with forward_context(md, self.attention_fn):
+            return self.model(input_ids, positions), rows

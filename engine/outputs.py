@@ -1,7 +1,12 @@
-"""What the engine returns: RequestOutput with one CompletionOutput per sample (vLLM's shapes)."""
+"""What the engine returns: RequestOutput with one CompletionOutput per sample, or PoolingRequestOutput with the
+embedding of a pooling request (vLLM's shapes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -50,3 +55,38 @@ class RequestOutput:
     @property
     def num_completion_tokens(self) -> int:
         return sum(len(o.token_ids) for o in self.outputs)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the embedding as a list of floats (float32 values; its length is the model's
+    hidden size, or the request's `dimensions`). Empty only in the final output of an aborted request."""
+    embedding: list[float]
+
+    @property
+    def data(self) -> "torch.Tensor":
+        """The embedding as a float32 tensor (vLLM's PoolingOutput.data)."""
+        import torch
+
+        return torch.tensor(self.embedding, dtype=torch.float32)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling (embedding) request returns: one output, finished, when its prompt has been prefilled and
+    pooled (vLLM's shape; `LLM.embed` / `LLM.encode` / `AsyncLLMEngine.encode`). Plain data: it pickles across
+    the engine core's pipe."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # as RequestOutput's
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+EngineOutput = RequestOutput | PoolingRequestOutput  # what LLMEngine.step() returns per request

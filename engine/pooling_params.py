@@ -22,6 +22,12 @@ class PoolerConfig:
     normalize: bool = True
     matryoshka_dimensions: list[int] | None = None
 
+    @property
+    def needs_every_token(self) -> bool:
+        """MEAN and CLS read hidden states that a prefix-cache hit would skip; LAST reads only the last token's,
+        which is always computed. Such requests skip reading the prefix cache."""
+        return self.pooling_type != "LAST"
+
     @classmethod
     def from_model(cls, model_path: str, overrides: dict[str, Any] | None) -> "PoolerConfig":
         """The defaults (LAST, normalized), then what the model's sentence-transformers files say (modules.json,
@@ -83,7 +89,47 @@ def has_sentence_transformers_pooling(model_dir: str) -> bool:
 
 @dataclass
 class PoolingParams:
-    """One embedding request's options: `dimensions` (a shorter matryoshka vector), `normalize` (None: the
-    model's PoolerConfig decides)."""
+    """One embedding request's options: `dimensions` (a shorter matryoshka vector: the first `dimensions` values,
+    cut before normalizing), `normalize` (None: the model's PoolerConfig decides). Checked on construction for
+    their types, and against the model by `verify`."""
     dimensions: int | None = None
     normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        d = self.dimensions
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {d!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true, false or null, got {self.normalize!r}")
+
+    def verify(self, pooler: PoolerConfig, hidden_size: int) -> None:
+        """Raise a ValueError naming the limit when this model cannot honour `dimensions` (the engine and the
+        gateway both ask here, so they never disagree)."""
+        d = self.dimensions
+        if d is None:
+            return
+        allowed = pooler.matryoshka_dimensions
+        if allowed is None:
+            raise ValueError(f"dimensions is not supported by this model: it was not trained for shorter "
+                             f"(matryoshka) embeddings, so its vectors always have {hidden_size} dimensions; "
+                             f"leave dimensions out")
+        if allowed and d not in allowed:
+            raise ValueError(f"dimensions must be one of {', '.join(map(str, allowed))} for this model (its "
+                             f"matryoshka dimensions), got {d}")
+        if d > hidden_size:
+            raise ValueError(f"dimensions must be in [1, {hidden_size}] for this model, got {d}")
+
+    def should_normalize(self, pooler: PoolerConfig) -> bool:
+        return pooler.normalize if self.normalize is None else self.normalize
+
+
+def check_runner(runner: str, pooling: bool) -> None:
+    """Refuse a request the engine's runner cannot serve: a generate request on a pooling (embedding) engine, or
+    a pooling request on a generate engine; the ValueError says how to change the runner."""
+    if pooling and runner != "pooling":
+        raise ValueError(f"this model runs with runner={runner!r} (text generation) and cannot make embeddings; "
+                         f"start an embedding model with runner=\"pooling\" (kvgate serve --runner pooling)")
+    if not pooling and runner == "pooling":
+        raise ValueError("this model runs with runner='pooling' (an embedding model) and cannot generate text; "
+                         "use embed()/encode() (/v1/embeddings), or start a generative model with "
+                         "runner=\"generate\" (kvgate serve --runner generate)")

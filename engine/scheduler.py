@@ -88,8 +88,8 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence) -> int:
         """Blocks seq may still need (preemption off: admission keeps room for every running sequence)."""
-        sp = seq.request.sampling_params
-        longest = min(seq.num_prompt_tokens + (sp.max_tokens or self.max_model_len), self.max_model_len)
+        extra = seq.request.max_output_tokens
+        longest = min(seq.num_prompt_tokens + (self.max_model_len if extra is None else extra), self.max_model_len)
         return self.seats_needed(seq) * self.bm.blocks_needed(longest) - len(seq.block_table)
 
     # ---- the step ------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import torch
 
+from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
 
 DEFAULT_PRIORITY = 50
@@ -33,6 +34,16 @@ class Request:
     forked: bool = False  # n > 1: the other samples were forked from seqs[0]
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # a pooling (embedding) request: its prompt is prefilled, pooled, and it finishes (sampling_params then holds
+    # the defaults, n=1, and is not used for output)
+    pooling_params: PoolingParams | None = None
+    skip_reading_prefix_cache: bool = False  # vLLM's name: its pooling needs every prompt token's hidden state
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """Tokens this request may add to its prompt: 0 for a pooling request, else max_tokens (None: until
+        max_model_len)."""
+        return 0 if self.pooling_params is not None else self.sampling_params.max_tokens
 
     @property
     def finished(self) -> bool:
@@ -60,6 +71,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        self.pooled: torch.Tensor | None = None  # pooling requests: state across prefill chunks (engine/pooler.py)
         # detokenizer state (engine/detokenizer.py)
         self.text = ""
         self.prefix_offset = 0

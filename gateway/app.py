@@ -13,6 +13,7 @@ from typing import Any, Awaitable, Mapping
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from kvgate.gateway import __version__ as VERSION
 from kvgate.gateway.backends import EmbeddedBackend
 from kvgate.gateway.errors import APIError, error_response, install_error_handlers
 from kvgate.gateway.metrics import render_metrics
@@ -21,8 +22,7 @@ from kvgate.gateway.router import ModelRouter, RoutedRequest
 from kvgate.gateway.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
-VERSION = "0.1.0"
-GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+GENERATE_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 PRIORITY_HEADER = "x-priority"
 BATCH_DELAY_HEADER = "x-max-batch-delay-ms"
 
@@ -172,7 +172,7 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
     app = GatewayApp(title="kvgate", version=VERSION, lifespan=lifespan)
     app.configure(router, api_key, max_body_bytes)
     app.state.router = router
-    install_error_handlers(app)
+    install_error_handlers(app, tuple(GENERATE_PATHS))
 
     def embedded_for(model: str | None) -> OpenAIServing:
         """The first embedded deployment of `model` (for /tokenize and /detokenize)."""
@@ -191,18 +191,28 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
                 return d.backend.serving
         raise APIError(400, f"`{model}` is served by remote upstreams only; ask them to tokenize", "model")
 
+    def model_card(name: str) -> dict[str, Any]:
+        """OpenAI's model object, with vLLM's max_model_len and kvgate's deployments / route fields."""
+        if name in router.routes:
+            route = router.routes[name]
+            return {"id": name, "object": "model", "created": min(router.created.values(), default=0),
+                    "owned_by": "kvgate", "route": True, "strategy": route.strategy or router.strategy}
+        deps = router.models[name]
+        max_len = next((d.backend.serving.max_model_len for d in deps
+                        if isinstance(d.backend, EmbeddedBackend) and d.backend.ready), None)
+        return {"id": name, "object": "model", "created": router.created[name], "owned_by": "kvgate",
+                "max_model_len": max_len, "deployments": len(deps)}
+
     @app.get("/v1/models")
     async def models():
-        data = []
-        for name, deps in router.models.items():
-            max_len = next((d.backend.serving.max_model_len for d in deps
-                            if isinstance(d.backend, EmbeddedBackend) and d.backend.ready), None)
-            data.append({"id": name, "object": "model", "created": router.created[name], "owned_by": "kvgate",
-                         "max_model_len": max_len, "deployments": len(deps)})
-        for name, route in router.routes.items():
-            data.append({"id": name, "object": "model", "created": min(router.created.values(), default=0),
-                         "owned_by": "kvgate", "route": True, "strategy": route.strategy or router.strategy})
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in [*router.models, *router.routes]]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in router.models and model_id not in router.routes:
+            raise APIError(404, f"The model `{model_id}` does not exist. Available: "
+                                f"{', '.join([*router.models, *router.routes])}", "model", "model_not_found")
+        return model_card(model_id)
 
     @app.get("/health")
     async def health():

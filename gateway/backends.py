@@ -22,6 +22,7 @@ from kvgate.engine.outputs import RequestOutput
 from kvgate.gateway.errors import APIError, validation_error
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.gateway.serving import OpenAIServing
+from kvgate.gateway.serving_embedding import OpenAIServingEmbedding, check_endpoint
 from kvgate.gateway.strategies import LoadState, RequestTiming
 from kvgate.gateway.upstream_client import UpstreamError, UpstreamPool
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FORWARDED_HEADERS = ("x-priority", "x-max-batch-delay-ms", "x-request-id")
+UPSTREAM_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}  # by kind
 
 
 class ProxyStream(StreamingResponse):
@@ -78,6 +80,7 @@ class EmbeddedBackend:
 
     def __init__(self, serving: OpenAIServing, owned: bool = False) -> None:
         self.serving, self.owned = serving, owned
+        self.embedding = OpenAIServingEmbedding(serving)
 
     @property
     def engine(self) -> AsyncLLMEngine:
@@ -109,8 +112,16 @@ class EmbeddedBackend:
             raise BackendFailure("the engine is not running")
 
     async def handle(self, req: "RoutedRequest", timing: RequestTiming) -> Response:
-        cls = ChatCompletionRequest if req.kind == "chat" else CompletionRequest
+        check_endpoint(req.kind, self.engine.config.runner, req.model)
         body = req.body if req.body.get("model") == req.model else {**req.body, "model": req.model}
+        if req.kind == "embeddings":
+            try:
+                result = await self.embedding.create(body, req.priority, req.max_batch_delay)
+            except RuntimeError as e:  # the engine is dead (EngineDeadError), or a step failed for this request
+                raise BackendFailure(str(e)) from e
+            timing.first_token = time.monotonic()  # the whole answer comes at once
+            return JSONResponse(result)
+        cls = ChatCompletionRequest if req.kind == "chat" else CompletionRequest
         try:
             parsed = cls.model_validate(body)
         except ValidationError as e:
@@ -205,7 +216,7 @@ class RemoteBackend:
 
     async def handle(self, req: "RoutedRequest", timing: RequestTiming) -> Response:
         body = req.body_for(self.upstream_model(req.model))
-        path = self.api_path + ("/chat/completions" if req.kind == "chat" else "/completions")
+        path = self.api_path + UPSTREAM_PATHS[req.kind]
         try:
             r = await self.pool.request("POST", path, body, self._request_headers(req), self.timeout)
         except UpstreamError as e:

@@ -3,34 +3,59 @@ dify-package (the Dify plugin)."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
+
+from kvgate.engine.arg_utils import ArgSpec, EngineArgs, arg_specs
+
+ENGINE_FLAGS = arg_specs(EngineArgs)
 
 
-def _engine_flags(p: argparse.ArgumentParser, given_only: bool = False) -> None:
-    """given_only: flags the user did not give stay out of the namespace (serve: they must not override the file)."""
-    def default(value: object) -> object:
-        return argparse.SUPPRESS if given_only else value
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
-    p.add_argument("--model", default=default(None), help="local HF dir or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=default("auto"), help="auto | float32 | bfloat16 | float16 (default: auto)")
-    p.add_argument("--load-format", default=default("auto"), help="auto | safetensors | gguf | dummy (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=default(None), help="default: the model's")
-    p.add_argument("--block-size", type=int, default=default(16), help="16 | 32 | 64 (default: 16)")
-    p.add_argument("--max-num-seqs", type=int, default=default(256), help="sequences per step (default: 256)")
-    p.add_argument("--attention-backend", default=default(None), help="default: triton on CUDA, torch on CPU")
-    p.add_argument("--seed", type=int, default=default(0))
+
+def add_flags(p: argparse.ArgumentParser | Any, specs: dict[str, tuple[ArgSpec, type, bool, Any]],
+              skip: tuple[str, ...] = ()) -> None:
+    """One flag per declared argument, with vLLM's spelling (--max-num-seqs, --[no-]enable-prefix-caching), its
+    choices and its default in --help. A flag the user does not give stays out of the namespace, so that it
+    overrides nothing (a config file's value, or the argument's own default)."""
+    for name, (spec, typ, _, default) in specs.items():
+        if name in skip:
+            continue
+        text = spec.help if default is None or "default:" in spec.help else f"{spec.help} (default: {default})"
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": text.replace("%", "%%")}
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = _json_object if typ is dict else typ
+            if spec.choices is not None and not callable(spec.choices):
+                kw["choices"] = spec.choices
+            if spec.metavar:
+                kw["metavar"] = spec.metavar
+        p.add_argument("--" + name.replace("_", "-"), **kw)
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{k: v for k, v in vars(args).items() if k in ENGINE_FLAGS})
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvgate.engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, max_model_len=args.max_model_len,
-              block_size=args.block_size, max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend,
-              seed=args.seed)
+    a = engine_args(args)
+    a.check()
+    llm = LLM(**vars(a))
     print(f"[kvgate] loaded {llm.engine.config.served_model_name} on {llm.engine.config.device} "
           f"in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
@@ -53,16 +78,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The serve options the user gave on the command line (by config key), which override the config file."""
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config")}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "model_tag")}
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:  # vLLM's `serve MODEL`
+        if given.get("model", tag) != tag:
+            raise ValueError(f"the model is given twice, as {tag!r} and as --model {given['model']!r}: give one")
+        given["model"] = tag
     if "api_key" not in given and os.environ.get("KVGATE_API_KEY"):
         given["api_key"] = os.environ["KVGATE_API_KEY"]
     return given
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvgate.gateway.config import load_config
+    from kvgate.gateway.config import check_engines, load_config
 
     cfg = load_config(args.config, serve_overrides(args))  # ConfigError: exit status 2 with the key and reason
+    check_engines(cfg)  # every value the engines would refuse, against each model's config: before anything loads
 
     import logging
 
@@ -112,33 +143,30 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvgate.gateway import __version__
+    from kvgate.gateway.config import SERVE_SPECS
+
     parser = argparse.ArgumentParser(prog="kvgate", description="kvgate: an OpenAI-compatible LLM gateway with its "
                                      "own paged-KV inference engines")
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    sv = sub.add_parser("serve", help="serve models over the OpenAI API (chat, completions, streaming)",
+    sv = sub.add_parser("serve", help="serve models over the OpenAI API (chat, completions, embeddings)",
                         description="Flags override the config file (only the flags given); engine flags apply to "
                                     "every embedded model.", argument_default=argparse.SUPPRESS)
+    sv.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model to serve, as --model")
     sv.add_argument("--config", default=None, help="config.yaml: models, engine args, server options")
-    _engine_flags(sv, given_only=True)
-    sv.add_argument("--host", help="default: 127.0.0.1")
-    sv.add_argument("--port", type=int, help="default: 8000")
-    sv.add_argument("--served-model-name", help="the model id clients send (default: from the model path)")
-    sv.add_argument("--scheduler-delay", type=float, help="seconds a prefill may wait to be batched (default: 0)")
-    sv.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    sv.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction,
-                    help="run each engine loop in its own process (default: on CUDA, not on CPU)")
-    sv.add_argument("--api-key", help="require this Bearer key (default: $KVGATE_API_KEY, else none)")
-    sv.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default: 8 MiB)")
-    sv.add_argument("--max-queue-len", type=int, help="waiting requests per model before 429 (default: 1024)")
+    add_flags(sv.add_argument_group("server options"), SERVE_SPECS)
+    add_flags(sv.add_argument_group("engine arguments (vLLM's names)"), ENGINE_FLAGS)
     sv.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text offline from a local model")
-    _engine_flags(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeatable); chat template applied unless --raw")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-seed", type=int, default=None)
+    add_flags(g.add_argument_group("engine arguments (vLLM's names)"), ENGINE_FLAGS,
+              skip=("engine_core_process", "served_model_name", "scheduler_delay", "max_tokens_default"))
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory (safetensors + tokenizer)")
     c.add_argument("--input", required=True, help="model.gguf")

@@ -11,16 +11,15 @@ import difflib
 import os
 import re
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
 import yaml
 
-from kvgate.engine.config import _DTYPES, LOAD_FORMATS, EngineArgs
-from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
-
-STRATEGIES = ("latency", "least_loaded", "round_robin", "weighted", "prefix_affinity")
+from kvgate.engine.arg_utils import (DEFAULT_MODEL_NAME, ArgError, ArgSpec, EngineArgs, arg, arg_specs, check_value,
+                                     describe)
+from kvgate.gateway.strategies import STRATEGIES
 
 
 class ConfigError(ValueError):
@@ -30,11 +29,11 @@ class ConfigError(ValueError):
 @dataclass
 class DeploymentSpec:
     """One replica of a model: a remote OpenAI-compatible server (url) or an embedded engine (engine_args)."""
-    url: str | None = None  # e.g. http://10.0.0.5:8000/v1
-    api_key: str | None = None  # sent to the remote upstream as a Bearer key
-    timeout: float | None = None  # seconds per request
-    weight: float = 1.0  # for the weighted strategy
-    upstream_model: str | None = None  # the model id the remote server knows (default: the model's name)
+    url: str | None = arg(None, "a remote OpenAI-compatible server, e.g. http://10.0.0.5:8000/v1")
+    api_key: str | None = arg(None, "sent to the remote upstream as a Bearer key")
+    timeout: float | None = arg(None, "seconds per request to the remote upstream", gt=0)
+    weight: float = arg(1.0, "share of traffic under the weighted strategy", gt=0)
+    upstream_model: str | None = arg(None, "the model id the remote server knows (default: the model's name)")
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineArgs fields, `model` included
 
     @property
@@ -51,19 +50,21 @@ class ModelSpec:
 
 @dataclass
 class RouterSpec:
-    strategy: str = "latency"  # the default for every model
+    strategy: str = arg("latency", "how a model's deployment is chosen (the default for every model)",
+                        choices=tuple(STRATEGIES))
     fallbacks: dict[str, list[str]] = field(default_factory=dict)  # model -> models to try when it is down
-    num_retries: int = 2  # other deployments tried when one fails before the first byte
-    cooldown_time: float = 30.0  # seconds a failed deployment is kept out before a probe
-    health_check_interval: float = 10.0  # seconds between health checks of remote deployments
-    timeout: float | None = None  # default per-request timeout (seconds) for remote deployments
+    num_retries: int = arg(2, "other deployments tried when one fails before the first byte", ge=0)
+    cooldown_time: float = arg(30.0, "seconds a failed deployment is kept out before a probe", ge=0)
+    health_check_interval: float = arg(10.0, "seconds between health checks of remote deployments", gt=0)
+    timeout: float | None = arg(None, "default per-request timeout (seconds) for remote deployments", gt=0)
 
 
 @dataclass
 class RouteSpec:
     name: str  # a model id clients may send ("auto") that goes through this route
-    function: str | None = None  # "package.module:function" returning a model name; None: the strategy picks
-    strategy: str | None = None
+    function: str | None = arg(None, '"package.module:function" returning a model name (none: the strategy picks)')
+    strategy: str | None = arg(None, "the strategy of this route (default: router.strategy)",
+                               choices=tuple(STRATEGIES))
 
 
 @dataclass
@@ -71,57 +72,31 @@ class GatewayConfig:
     models: list[ModelSpec]
     router: RouterSpec = field(default_factory=RouterSpec)
     routes: list[RouteSpec] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None  # Bearer key clients must send
-    max_body_bytes: int = 8 << 20
-    max_queue_len: int = 1024  # waiting requests per model before 429
+    host: str = arg("127.0.0.1", "address to listen on")
+    port: int = arg(8000, "port to listen on", ge=1, le=65535)
+    api_key: str | None = arg(None, "require this Bearer key on /v1/* (default: $KVGATE_API_KEY, else none)")
+    max_body_bytes: int = arg(8 << 20, "larger request bodies get 413", ge=1)
+    max_queue_len: int = arg(1024, "waiting requests per model before 429", ge=0)
     source: str = ""  # the file it came from ("" without one)
 
 
-def _arg_types(cls: type) -> dict[str, tuple[type, bool]]:
-    """field name -> (base type, whether None is allowed), from the dataclass's type hints."""
-    hints, out = typing.get_type_hints(cls), {}
-    for f in fields(cls):
-        args = typing.get_args(hints[f.name])
-        out[f.name] = (next(a for a in args if a is not type(None)) if args else hints[f.name], type(None) in args)
-    return out
-
-
-ENGINE_TYPES = _arg_types(EngineArgs)
-SERVE_TYPES = {k: v for k, v in _arg_types(GatewayConfig).items() if k not in ("models", "router", "routes", "source")}
-ROUTER_TYPES = {k: v for k, v in _arg_types(RouterSpec).items() if k != "fallbacks"}
-DEPLOYMENT_TYPES = {k: v for k, v in _arg_types(DeploymentSpec).items() if k != "engine_args"}
+Specs = dict[str, tuple[ArgSpec, type, bool, Any]]
+ENGINE_SPECS: Specs = arg_specs(EngineArgs)
+SERVE_SPECS: Specs = arg_specs(GatewayConfig)
+ROUTER_SPECS: Specs = arg_specs(RouterSpec)
+DEPLOYMENT_SPECS: Specs = arg_specs(DeploymentSpec)
+ROUTE_SPECS: Specs = arg_specs(RouteSpec)
+STRATEGY_SPEC: Specs = {"strategy": ROUTE_SPECS["strategy"]}
 ALIASES = {"max_batch_size": "max_num_seqs"}  # alias -> the name it stands for
+PATH_KEYS = ("model", "tokenizer", "generation_config")  # relative paths in a file are relative to the file
 
-TOP_KEYS = {*ENGINE_TYPES, *SERVE_TYPES, "models", "router", "routes"}
-MODEL_KEYS = {*ENGINE_TYPES, "name", "deployments", "strategy"} - {"served_model_name"}
-DEPLOYMENT_KEYS = {*ENGINE_TYPES, *DEPLOYMENT_TYPES} - {"served_model_name"}
-ROUTER_KEYS = {*ROUTER_TYPES, "fallbacks"}
+TOP_KEYS = {*ENGINE_SPECS, *SERVE_SPECS, "models", "router", "routes"}
+MODEL_KEYS = {*ENGINE_SPECS, "name", "deployments", "strategy"} - {"served_model_name"}
+DEPLOYMENT_KEYS = {*ENGINE_SPECS, *DEPLOYMENT_SPECS} - {"served_model_name"}
+ROUTER_KEYS = {*ROUTER_SPECS, "fallbacks"}
 ROUTE_KEYS = {"name", "function", "strategy"}
 HINTS = {"served_model_name": "name each entry of models: with name: instead"}
-
-CHOICES: dict[str, tuple] = {"block_size": (16, 32, 64), "load_format": LOAD_FORMATS, "dtype": ("auto", *_DTYPES),
-                             "kv_cache_dtype": ("auto", *_DTYPES), "strategy": STRATEGIES}
-# name -> (lowest, highest, whether the lowest value itself is refused)
-BOUNDS: dict[str, tuple[float, float | None, bool]] = {
-    "max_num_seqs": (1, None, False), "max_batch_size": (1, None, False), "max_num_batched_tokens": (1, None, False),
-    "max_model_len": (2, None, False), "kv_cache_memory_bytes": (1, None, False),
-    "num_gpu_blocks_override": (1, None, False), "tensor_parallel_size": (1, None, False),
-    "pipeline_parallel_size": (1, None, False), "scheduler_delay": (0, None, False),
-    "priority_aging_rate": (0, None, False), "max_logprobs": (0, None, False), "seed": (0, None, False),
-    "gpu_memory_utilization": (0, 1, True), "port": (1, 65535, False), "max_body_bytes": (1, None, False),
-    "max_queue_len": (0, None, False), "num_retries": (0, None, False), "cooldown_time": (0, None, False),
-    "health_check_interval": (0, None, True), "timeout": (0, None, True), "weight": (0, None, True),
-}
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _kind(v: Any) -> str:
-    if isinstance(v, (dict, list)):
-        return ("an empty " if not v else "a ") + ("mapping" if isinstance(v, dict) else "list")
-    return "null" if v is None else repr(v)
 
 
 def _join(path: str, key: str | int) -> str:
@@ -131,18 +106,20 @@ def _join(path: str, key: str | int) -> str:
 class _Checker:
     def __init__(self, source: str, base_dir: str) -> None:
         self.source, self.base_dir = source, base_dir
+        self.top: dict = {}  # the file's top level
+        self.flags: set[str] = set()  # top-level keys that flags set
 
     def fail(self, path: str, reason: str) -> NoReturn:
         raise ConfigError(": ".join(p for p in (self.source, path, reason) if p))
 
     def mapping(self, v: Any, path: str, what: str) -> dict:
         if not isinstance(v, dict):
-            self.fail(path, f"must be a mapping ({what}), got {_kind(v)}")
+            self.fail(path, f"must be a mapping ({what}), got {describe(v)}")
         return v
 
     def items(self, v: Any, path: str, what: str, empty_ok: bool = False) -> list:
         if not isinstance(v, list) or not (v or empty_ok):
-            self.fail(path, f"must be a {'' if empty_ok else 'non-empty '}list ({what}), got {_kind(v)}")
+            self.fail(path, f"must be a {'' if empty_ok else 'non-empty '}list ({what}), got {describe(v)}")
         return v
 
     def keys(self, d: dict, allowed: set[str], path: str) -> None:
@@ -152,32 +129,24 @@ class _Checker:
                 hint = HINTS.get(k) or (f"did you mean {close[0]!r}?" if close else None)
                 self.fail(path, f"unknown key {k!r}" + (f" ({hint})" if hint else ""))
 
-    def value(self, v: Any, typ: type, optional: bool, path: str, key: str) -> Any:
-        if v is None and optional:
-            return None
-        if typ is bool:
-            ok = isinstance(v, bool)
-        else:  # YAML's true/false are bools, never numbers here
-            ok = isinstance(v, (int, float) if typ is float else typ) and not isinstance(v, bool)
-        if not ok:
-            self.fail(path, f"must be {_TYPE_NAMES[typ]}{' or null' if optional else ''}, got {_kind(v)}")
-        v = float(v) if typ is float else v
-        if key in CHOICES and v not in CHOICES[key]:
-            self.fail(path, f"must be one of {', '.join(map(str, CHOICES[key]))}, got {v!r}")
-        if key in BOUNDS:
-            lo, hi, open_lo = BOUNDS[key]
-            if v < lo or (open_lo and v == lo) or (hi is not None and v > hi):
-                rule = (f"in {'(' if open_lo else '['}{lo}, {hi}]" if hi is not None else
-                        f"{'>' if open_lo else '>='} {lo}")
-                self.fail(path, f"must be {rule}, got {v!r}")
-        if isinstance(v, str) and key in ("model", "tokenizer"):
+    def value(self, v: Any, specs: Specs, path: str, key: str) -> Any:
+        spec, typ, optional, _ = specs[key]
+        try:
+            v = check_value(key, v, spec, typ, optional)
+        except ArgError as e:
+            self.fail(path, e.reason)
+        if isinstance(v, str) and key in PATH_KEYS:
             return self.model_path(v, path, key)
         return v
 
     def model_path(self, v: str, path: str, key: str) -> str:
-        if key == "model" and v == DEFAULT_MODEL_NAME:
+        if (key == "model" and v == DEFAULT_MODEL_NAME) or (key == "generation_config" and v in ("auto", "vllm")):
             return v
         p = os.path.join(self.base_dir, os.path.expanduser(v))
+        if key == "generation_config":
+            if not os.path.isfile(os.path.join(p, "generation_config.json")):
+                self.fail(path, f"must be auto, vllm or a directory holding a generation_config.json, got {v!r}")
+            return p
         found = os.path.exists(p) if key == "tokenizer" else (
             os.path.isfile(p) or os.path.isfile(os.path.join(p, "config.json")))
         if not found:
@@ -189,15 +158,15 @@ class _Checker:
     def engine_args(self, d: dict, path: str, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in d.items():
-            if k in ENGINE_TYPES and k not in exclude:
+            if k in ENGINE_SPECS and k not in exclude:
                 name = ALIASES.get(k, k)
                 if name in out:
                     self.fail(_join(path, k), f"{k} is an alias of {name}: give one of them")
-                out[name] = self.value(v, *ENGINE_TYPES[k], _join(path, k), k)
+                out[name] = self.value(v, ENGINE_SPECS, _join(path, k), k)
         return out
 
-    def typed(self, d: dict, types: dict[str, tuple[type, bool]], path: str) -> dict[str, Any]:
-        return {k: self.value(d[k], *types[k], _join(path, k), k) for k in types if k in d}
+    def typed(self, d: dict, specs: Specs, path: str) -> dict[str, Any]:
+        return {k: self.value(d[k], specs, _join(path, k), k) for k in specs if k in d}
 
     # ---- sections -------------------------------------------------------------------------------------------------
     def models(self, raw: Any, top_engine: dict[str, Any]) -> list[ModelSpec]:
@@ -207,32 +176,33 @@ class _Checker:
             p = f"models[{i}]"
             self.keys(self.mapping(m, p, "name, and model or deployments"), MODEL_KEYS, p)
             name = self.name(m, p, "model", seen, i)
-            strategy = self.typed(m, {"strategy": (str, True)}, p).get("strategy")
+            strategy = self.typed(m, STRATEGY_SPEC, p).get("strategy")
             own = self.engine_args(m, p)
             if ("model" in m) == ("deployments" in m):
                 self.fail(p, "give either model: or deployments:, not both" if "model" in m else
                           "needs model: (a local HF directory or .gguf file, for an embedded engine) or deployments: "
                           "(a list of replicas)")
             if "model" in m:
-                deployments = [DeploymentSpec(engine_args={**top_engine, **own})]
+                args = self.checked({**top_engine, **own}, [(p, m), ("", self.top)])
+                deployments = [DeploymentSpec(engine_args=args)]
             else:
                 if own:
-                    k = next(k for k in m if k in ENGINE_TYPES)
+                    k = next(k for k in m if k in ENGINE_SPECS)
                     self.fail(_join(p, k), "a model with deployments: takes engine args inside each deployment")
-                deployments = self.deployments(m["deployments"], _join(p, "deployments"), top_engine)
+                deployments = self.deployments(m["deployments"], _join(p, "deployments"), top_engine, m)
             models.append(ModelSpec(name, deployments, strategy))
         return models
 
     def name(self, d: dict, path: str, what: str, seen: dict[str, int], index: int) -> str:
         name = d.get("name")
         if not isinstance(name, str) or not name.strip():
-            self.fail(_join(path, "name"), f"each {what} needs a name (a non-empty string), got {_kind(name)}")
+            self.fail(_join(path, "name"), f"each {what} needs a name (a non-empty string), got {describe(name)}")
         if name in seen:
             self.fail(_join(path, "name"), f"duplicate name {name!r} (also at index {seen[name]})")
         seen[name] = index
         return name
 
-    def deployments(self, raw: Any, path: str, top_engine: dict[str, Any]) -> list[DeploymentSpec]:
+    def deployments(self, raw: Any, path: str, top_engine: dict[str, Any], model: dict) -> list[DeploymentSpec]:
         out = []
         for j, d in enumerate(self.items(raw, path, "replicas, each with url: or model:")):
             p = f"{path}[{j}]"
@@ -240,12 +210,12 @@ class _Checker:
             if ("url" in d) == ("model" in d):
                 self.fail(p, "give either url: or model:, not both" if "url" in d else
                           "needs url: (a remote OpenAI-compatible server) or model: (an embedded engine)")
-            opts = self.typed(d, DEPLOYMENT_TYPES, p)
+            opts = self.typed(d, DEPLOYMENT_SPECS, p)
             if "url" in d:
                 u = urlparse(opts["url"])
                 if u.scheme not in ("http", "https") or not u.netloc:
                     self.fail(_join(p, "url"), f"must be an http:// or https:// URL, got {opts['url']!r}")
-                k = next((k for k in d if k in ENGINE_TYPES), None)
+                k = next((k for k in d if k in ENGINE_SPECS), None)
                 if k is not None:
                     self.fail(_join(p, k), "engine args apply to embedded (model:) deployments, not to a url: one")
                 out.append(DeploymentSpec(**opts))
@@ -253,19 +223,33 @@ class _Checker:
                 k = next((k for k in ("api_key", "upstream_model") if k in d), None)
                 if k is not None:
                     self.fail(_join(p, k), "only a url: deployment takes this key")
-                out.append(DeploymentSpec(**opts, engine_args={**top_engine, **self.engine_args(d, p)}))
+                args = self.checked({**top_engine, **self.engine_args(d, p)}, [(p, d), ("", self.top)])
+                out.append(DeploymentSpec(**opts, engine_args=args))
         return out
+
+    def checked(self, args: dict[str, Any], layers: list[tuple[str, dict]]) -> dict[str, Any]:
+        """One embedded engine's args, checked together (EngineArgs.check: the rules between arguments too). A
+        failure is reported where the argument it names was set, innermost level first."""
+        try:
+            EngineArgs(**args).check()
+        except ArgError as e:
+            keys = (e.name, *(a for a, n in ALIASES.items() if n == e.name))
+            path = next((_join(p, k) for p, d in layers for k in keys if k in d), e.name)
+            if path in self.flags:  # set by a flag, not by the file
+                path = "--" + path.replace("_", "-")
+            self.fail(path, e.reason)
+        return args
 
     def router(self, raw: Any, names: list[str]) -> RouterSpec:
         self.keys(self.mapping(raw, "router", "strategy, fallbacks, ..."), ROUTER_KEYS, "router")
-        spec = RouterSpec(**self.typed(raw, ROUTER_TYPES, "router"))
+        spec = RouterSpec(**self.typed(raw, ROUTER_SPECS, "router"))
         fallbacks = self.mapping(raw.get("fallbacks", {}), "router.fallbacks", "model: [other models]")
         for model, others in fallbacks.items():
             p = _join("router.fallbacks", str(model))
             self.known(model, names, p)
             others = [others] if isinstance(others, str) else others
             if not isinstance(others, list) or not others:
-                self.fail(p, f"must be a list of model names, got {_kind(others)}")
+                self.fail(p, f"must be a list of model names, got {describe(others)}")
             for k, other in enumerate(others):
                 self.known(other, names, _join(p, k))
                 if other == model:
@@ -285,19 +269,21 @@ class _Checker:
             name = self.name(r, p, "route", seen, i)
             if name in names:
                 self.fail(_join(p, "name"), f"{name!r} is already a model's name; a route needs its own")
-            opts = self.typed(r, {"function": (str, True), "strategy": (str, True)}, p)
+            opts = self.typed(r, ROUTE_SPECS, p)
             if opts.get("function") is not None and not _FUNCTION.match(opts["function"]):
                 self.fail(_join(p, "function"), f"must look like 'package.module:function', got {opts['function']!r}")
             out.append(RouteSpec(name, **opts))
         return out
 
 
-def parse_config(raw: Any, source: str = "", base_dir: str = "") -> GatewayConfig:
-    """A GatewayConfig from the parsed YAML (a dict); ConfigError names the key path and the reason."""
+def parse_config(raw: Any, source: str = "", base_dir: str = "", flags: set[str] | None = None) -> GatewayConfig:
+    """A GatewayConfig from the parsed YAML (a dict); ConfigError names the key path (or the flag) and the reason."""
     c = _Checker(source, base_dir)
+    c.flags = flags or set()
     raw = {} if raw is None else c.mapping(raw, "", "of top-level keys")
     c.keys(raw, TOP_KEYS, "")
-    serve = c.typed(raw, SERVE_TYPES, "")
+    c.top = raw
+    serve = c.typed(raw, SERVE_SPECS, "")
     top_engine = c.engine_args(raw, "", exclude=("model", "served_model_name"))
     if "models" in raw:
         k = next((k for k in ("model", "served_model_name") if k in raw), None)
@@ -310,7 +296,7 @@ def parse_config(raw: Any, source: str = "", base_dir: str = "") -> GatewayConfi
         name = single.get("served_model_name") or (
             DEFAULT_MODEL_NAME if model in (None, DEFAULT_MODEL_NAME)
             else os.path.basename(os.path.normpath(model)).removesuffix(".gguf"))
-        engine_args = {**top_engine, **({"model": model} if model is not None else {})}
+        engine_args = c.checked({**top_engine, **({"model": model} if model is not None else {})}, [("", raw)])
         models = [ModelSpec(name, [DeploymentSpec(engine_args=engine_args)])]
     names = [m.name for m in models]
     router = c.router(raw.get("router", {}), names)
@@ -359,7 +345,7 @@ def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> Ga
         if not isinstance(raw, dict):  # let parse_config report the shape
             return parse_config(raw, path or "")
         raw = apply_overrides(raw, overrides, path or "the config")
-    return parse_config(raw, path or "", os.path.dirname(path) if path else "")
+    return parse_config(raw, path or "", os.path.dirname(path) if path else "", set(overrides or ()))
 
 
 def apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
@@ -367,10 +353,10 @@ def apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
     raw = dict(raw)
     for key, value in overrides.items():
         flag = "--" + key.replace("_", "-")
-        if key not in ENGINE_TYPES and key not in SERVE_TYPES:
+        if key not in ENGINE_SPECS and key not in SERVE_SPECS:
             raise ConfigError(f"{flag}: not a config option")
-        value = flags.value(value, *(ENGINE_TYPES.get(key) or SERVE_TYPES[key]), flag, key)
-        if key in ("model", "tokenizer") and value != DEFAULT_MODEL_NAME:
+        value = flags.value(value, ENGINE_SPECS if key in ENGINE_SPECS else SERVE_SPECS, flag, key)
+        if key in PATH_KEYS and value not in (DEFAULT_MODEL_NAME, "auto", "vllm"):
             value = os.path.abspath(value)  # relative to the current directory, not to the file
         if key in ("model", "served_model_name") and "models" in raw:
             raise ConfigError(f"{flag}: {source} has a models: list; set {key} per model in the file instead")
@@ -378,7 +364,7 @@ def apply_overrides(raw: dict, overrides: dict[str, Any], source: str) -> dict:
         for k in drop:
             raw.pop(k, None)
         raw[key] = value
-        if key in ENGINE_TYPES and isinstance(raw.get("models"), list):
+        if key in ENGINE_SPECS and isinstance(raw.get("models"), list):
             raw["models"] = [_without(m, drop) for m in raw["models"]]
     return raw
 
@@ -392,3 +378,18 @@ def _without(model: Any, keys: set[str]) -> Any:
         m["deployments"] = [{k: v for k, v in d.items() if k not in keys} if isinstance(d, dict) else d
                             for d in m["deployments"]]
     return m
+
+
+def check_engines(cfg: GatewayConfig) -> None:
+    """Every embedded engine's args against its model (its config is read, its weights are not): what an engine
+    would refuse while loading is refused now, before anything loads, naming the model."""
+    from kvgate.engine.config import check_engine_args
+
+    for m in cfg.models:
+        local = [d for d in m.deployments if not d.is_remote]
+        for j, d in enumerate(local):
+            try:
+                check_engine_args(EngineArgs(**{**d.engine_args, "served_model_name": m.name}))
+            except (ValueError, OSError, ImportError) as e:
+                where = f"model {m.name!r}" + (f" (embedded deployment {j})" if len(local) > 1 else "")
+                raise ConfigError(": ".join(p for p in (cfg.source, where, str(e)) if p)) from None

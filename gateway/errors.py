@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_server_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_server_error",
           503: "service_unavailable"}
 
 
@@ -32,6 +32,40 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(error_body(e.status, e.message, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+# OpenAI (and vLLM) endpoints that kvgate does not serve: a 404 that says so, and what to use where there is something
+UNSERVED = {
+    "/v1/responses": "the Responses API is not served by kvgate; use POST /v1/chat/completions",
+    "/v1/images": "kvgate serves text models: there is no image generation",
+    "/v1/audio": "kvgate serves text models: there is no speech synthesis or transcription",
+    "/v1/realtime": "kvgate serves text models: there is no realtime audio API",
+    "/v1/moderations": "kvgate serves no moderation models",
+    "/v1/rerank": "kvgate serves no reranker (cross-encoder) models yet",
+    "/rerank": "kvgate serves no reranker (cross-encoder) models yet",
+    "/v1/score": "kvgate serves no score (cross-encoder) models yet",
+    "/score": "kvgate serves no score (cross-encoder) models yet",
+    "/pooling": "use POST /v1/embeddings",
+    "/classify": "kvgate serves no classification models",
+    **{f"/v1/{k}": "kvgate has no stored objects (files, batches, assistants, fine-tuning, ...): it serves stateless "
+                   "completions" for k in ("files", "uploads", "batches", "fine_tuning", "assistants", "threads",
+                                           "vector_stores", "evals", "containers", "conversations", "videos")},
+}
+SERVED = "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, GET /v1/models"
+
+
+def unserved(method: str, path: str, post_paths: tuple[str, ...] = ()) -> APIError:
+    """The error for a request no route takes: 405 (with Allow) for the wrong method on a served POST endpoint,
+    else a 404 in OpenAI's shape that names what kvgate does not serve and what it serves."""
+    if path in post_paths:
+        return APIError(405, f"{path} takes POST, not {method}", None, "method_not_allowed",
+                        headers={"Allow": "POST"})
+    prefix = next((p for p in UNSERVED if path == p or path.startswith(p + "/")), None)
+    if prefix is not None:
+        return APIError(404, f"{method} {path}: {UNSERVED[prefix]}. kvgate serves {SERVED}.", None,
+                        "unsupported_endpoint")
+    return APIError(404, f"Invalid URL ({method} {path}): kvgate serves {SERVED} (and /health, /metrics, "
+                         "/tokenize, /detokenize, /version).", None, "not_found")
+
+
 def validation_error(e: RequestValidationError | ValidationError) -> APIError:
     """A pydantic validation failure as a 400 that names the field and what was wrong with it."""
     first = e.errors()[0] if e.errors() else {}
@@ -44,7 +78,9 @@ def validation_error(e: RequestValidationError | ValidationError) -> APIError:
     return APIError(400, f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}", param)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, post_paths: tuple[str, ...] = ()) -> None:
+    """OpenAI-shaped errors for everything the app raises; `post_paths` are the POST endpoints served outside
+    FastAPI's routing (a GET on one of them is a 405, not a 404)."""
     @app.exception_handler(APIError)
     async def _api(_: Request, e: APIError) -> JSONResponse:
         return error_response(e)
@@ -54,8 +90,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(e))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(e.status_code, str(e.detail)))
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if e.status_code == 404 and e.detail == "Not Found":  # no route: say what is served instead
+            return error_response(unserved(request.method, request.url.path, post_paths))
+        return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

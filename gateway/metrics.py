@@ -4,6 +4,8 @@ Everything is read from each engine's EngineStats snapshot, which the engine thr
 the HTTP event loop never touches the scheduler or the block manager while a step mutates them."""
 from __future__ import annotations
 
+import json
+from dataclasses import fields
 from typing import Any
 
 from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME, TIME_TO_FIRST_TOKEN,
@@ -39,6 +41,23 @@ def _number(v: float) -> str:
     return "+Inf" if v == float("inf") else repr(float(v))
 
 
+def config_labels(config: Any) -> dict[str, str]:
+    """An engine's arguments as that engine runs with them: every EngineArgs field, with what the engine resolved
+    in place of defaults ("auto" dtype, the model's max_model_len, the default token budget, ...)."""
+    a = config.args
+    values: dict[str, Any] = {f.name: getattr(a, f.name) for f in fields(a)}
+    values.update(model=config.model_path, load_format=config.load_format, dtype=_dtype(config.dtype),
+                  kv_cache_dtype=_dtype(config.kv_cache_dtype), device=str(config.device),
+                  max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs, max_batch_size=None,
+                  max_num_batched_tokens=config.max_num_batched_tokens, attention_backend=config.attention_backend,
+                  served_model_name=config.served_model_name, runner=config.runner)
+    return {k: json.dumps(v) if isinstance(v, dict) else "" if v is None else str(v) for k, v in values.items()}
+
+
+def _dtype(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def render_metrics(servings: dict[str, Any], now: float) -> str:
     snaps: list[tuple[str, EngineStats]] = [(_label(name), s.engine.stats) for name, s in servings.items()
                                             if s.engine.is_ready and s.engine.stats is not None]
@@ -62,4 +81,11 @@ def render_metrics(servings: dict[str, Any], now: float) -> str:
             lines += [f'{name}_bucket{{le="{_number(le)}",model_name="{m}"}} {_number(n)}' for le, n in h.cumulative()]
             lines += [f'{name}_sum{{model_name="{m}"}} {_number(h.sum)}',
                       f'{name}_count{{model_name="{m}"}} {_number(h.count)}']
+    name = "kvgate:engine_config_info"
+    lines += [f"# HELP {name} The arguments each engine runs with (labels; the value is always 1).",
+              f"# TYPE {name} gauge"]
+    for m, s in servings.items():
+        if s.engine.is_ready and s.engine.config is not None:
+            labels = ",".join(f'{k}="{_label(v)}"' for k, v in sorted(config_labels(s.engine.config).items()))
+            lines.append(f'{name}{{{labels},model_name="{_label(m)}"}} 1')
     return "\n".join(lines) + "\n"

@@ -19,8 +19,11 @@ class StreamOptions(BaseModel):
 
 
 class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """A part of a message's content. Parts other than text (image_url, input_audio, file) parse, so that the
+    gateway can refuse them with a message that says so (ChatMessage.text)."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -29,9 +32,15 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def text(self, index: int = 0) -> str:
+        """The content as one string; ValueError (naming the part) for a part kvgate's text models cannot read."""
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            for j, p in enumerate(self.content):
+                if p.type != "text" or p.text is None:
+                    what = "has no text" if p.type == "text" else f"has type {p.type!r}"
+                    raise ValueError(f"messages[{index}].content[{j}] {what}: kvgate serves text models, which "
+                                     f"read only {{\"type\": \"text\", \"text\": ...}} content parts")
+            return "".join(p.text for p in self.content)  # type: ignore[misc]
         return self.content or ""
 
 
@@ -51,7 +60,7 @@ class _Common(BaseModel):
     user: str | None = None
     priority: int | None = None  # kvgate: 0-100, higher first (vLLM's body priority is lower-first)
     # vLLM extras
-    top_k: int | None = None
+    top_k: int | None = None  # None here and below: the model's generation config, else vLLM's default
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
@@ -80,14 +89,18 @@ class _Common(BaseModel):
             return "response_format"
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
+        """`defaults` (the model's generation config) fill in the sampling fields this request left out."""
+        def pick(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs,
+            repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA)
 
@@ -101,29 +114,31 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
 
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: the generation config's, else --max-tokens-default, else 16 (OpenAI's)
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
     suffix: Any = None
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs)
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
+        return self.sampling_params(max_tokens, self.logprobs, defaults)
 
     def prompts(self) -> list[str | list[int]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if p and all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return one_by_one(self.prompt)
 
 
 class TokenizeRequest(BaseModel):
@@ -139,3 +154,30 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
+
+
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: OpenAI's fields, kvgate's `priority` and vLLM's `normalize` (None: the model's
+    pooler config decides). `input`: a string, a list of strings, a list of token ids, or a list of lists of
+    token ids; each is embedded on its own."""
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    priority: int | None = None  # kvgate: 0-100, higher first (read by the app, like chat's)
+    normalize: bool | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        return one_by_one(self.input)
+
+
+def one_by_one(x: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt / input one by one: a string or a list of token ids is one, a list of strings or of id
+    lists is several."""
+    if isinstance(x, str):
+        return [x]
+    if x and all(isinstance(t, int) for t in x):
+        return [list(x)]  # type: ignore[arg-type]
+    return list(x)  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ RouteFunction = Callable[["RoutedRequest"], "Awaitable[str] | str"]
 @dataclass
 class RoutedRequest:
     """What a route function sees: the parsed body, headers, priority, and the prompt's token length (`len`)."""
-    kind: str  # "chat" | "completions"
+    kind: str  # "chat" | "completions" | "embeddings"
     body: dict[str, Any]
     raw: bytes = b""
     headers: Mapping[str, str] = field(default_factory=dict)
@@ -59,7 +59,8 @@ class RoutedRequest:
 
     @property
     def prompt(self) -> Any:
-        return self.body.get("prompt")
+        """The completion's prompt, or the embedding request's input (the same shapes)."""
+        return self.body.get("input" if self.kind == "embeddings" else "prompt")
 
     @property
     def user(self) -> str | None:

@@ -45,6 +45,8 @@ def build_router(config: Any, engine_factory: EngineFactory | None = None) -> Mo
                          max_queue_len=getattr(config, "max_queue_len", 1024),
                          health_check_interval=getattr(r, "health_check_interval", 10.0),
                          cooldown_s=getattr(r, "cooldown_time", 5.0))
+    routes = [(route, import_function(route.function) if getattr(route, "function", None) else None)
+              for route in getattr(config, "routes", None) or []]  # an unimportable one fails before loading
     default_timeout = getattr(r, "timeout", None) or DEFAULT_TIMEOUT_S
     make = engine_factory or (lambda _name, args: AsyncLLMEngine.from_engine_args(args))
     for m in config.models:
@@ -65,7 +67,6 @@ def build_router(config: Any, engine_factory: EngineFactory | None = None) -> Mo
         unknown = [x for x in [f, *others] if x not in router.models]
         if unknown:
             raise ValueError(f"router.fallbacks names unknown models {unknown}; the models are {list(router.models)}")
-    for route in getattr(config, "routes", None) or []:
-        fn = import_function(route.function) if getattr(route, "function", None) else None
+    for route, fn in routes:
         router.add_route(route.name, fn, getattr(route, "strategy", None))
     return router

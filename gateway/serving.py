@@ -13,6 +13,7 @@ from kvgate.gateway.errors import APIError
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 OnOutput = Callable[[RequestOutput], None]
+OPENAI_COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' default max_tokens in OpenAI's API (and vLLM's)
 
 
 def sse(data: dict | str) -> str:
@@ -49,8 +50,18 @@ class OpenAIServing:
         return self.engine.config.max_model_len
 
     # ---- prompts and limits ------------------------------------------------------------------------------------
+    @property
+    def default_sampling_params(self) -> dict[str, Any]:
+        """What the model's generation config sets (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_tokens): the defaults for what a request leaves out."""
+        return self.engine.config.default_sampling_params
+
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()} for m in req.messages]
+        try:
+            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(i)}
+                        for i, m in enumerate(req.messages)]
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
         try:
             return list(self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False,
@@ -63,7 +74,10 @@ class OpenAIServing:
             return self.tokenizer.encode(prompt)
         return prompt
 
-    def check_length(self, prompt_len: int, max_tokens: int | None, what: str) -> int:
+    def check_length(self, prompt_len: int, max_tokens: int | None, what: str, fallback: int | None = None) -> int:
+        """The request's max_tokens, checked against the context (a 400 that says the limit). When it gives none:
+        the generation config's max_new_tokens, else the server's max_tokens_default, else `fallback` (None: up to
+        the context), never more than the room the prompt leaves."""
         limit = self.max_model_len
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty: at least one token is needed", "prompt")
@@ -76,12 +90,15 @@ class OpenAIServing:
                                 f"{asked} tokens ({prompt_len} in the {what}, {max_tokens or 1} in the completion). "
                                 f"Please reduce the length of the {what} or completion.", "max_tokens"
                            if room >= 1 else what, "context_length_exceeded")
-        return max_tokens if max_tokens is not None else room
+        if max_tokens is not None:
+            return max_tokens
+        default = self.default_sampling_params.get("max_tokens") or self.engine.config.args.max_tokens_default \
+            or fallback
+        return room if default is None else min(default, room)
 
-    @staticmethod
-    def sampling(req: Any, max_tokens: int) -> SamplingParams:
+    def sampling(self, req: Any, max_tokens: int) -> SamplingParams:
         try:
-            return req.to_sampling_params(max_tokens)
+            return req.to_sampling_params(max_tokens, self.default_sampling_params)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0]) from e
@@ -101,7 +118,7 @@ class OpenAIServing:
                    on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
         """`on_output` sees every engine output (the router learns TTFT and token rates from them)."""
         prompt = self.chat_prompt(req)
-        max_tokens = self.check_length(len(prompt), req.max_completion_tokens or req.max_tokens, "messages")
+        max_tokens = self.check_length(len(prompt), req.requested_max_tokens, "messages")
         sp = self.sampling(req, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         outs = self._outputs(prompt, sp, rid, priority, delay, on_output)
@@ -166,7 +183,8 @@ class OpenAIServing:
         prompts = [self.encode(p) for p in req.prompts()]
         if req.stream and len(prompts) > 1:
             raise APIError(400, "streaming supports one prompt per request", "prompt")
-        max_tokens = [self.check_length(len(p), req.max_tokens, "prompt") for p in prompts]
+        max_tokens = [self.check_length(len(p), req.max_tokens, "prompt", OPENAI_COMPLETIONS_MAX_TOKENS)
+                      for p in prompts]
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             sp = self.sampling(req, max_tokens[0])

@@ -305,7 +305,7 @@ def test_unknown_attention_backend(model: str, llm: LLM, expected: list[int]) ->
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"block_size": 8}, ["block_size", "16, 32 or 64", "8"]),
+    ({"block_size": 8}, ["block_size", "16, 32, 64", "8"]),
     ({"max_model_len": 10_000}, ["max_model_len", "512", "10000"]),
     ({"max_num_seqs": 0}, ["max_num_seqs", "0"]),
     ({"dtype": "float8"}, ["dtype", "float8"]),

@@ -80,7 +80,7 @@ def test_product_brief_flat_keys_make_one_model(tmp_path: Path) -> None:
 def test_flags_override_the_file_only_when_given(tmp_path: Path) -> None:
     path = write(tmp_path, TWO_MODELS)
     args = build_parser().parse_args(["serve", "--config", path, "--port", "9100", "--block-size", "16",
-                                      "--max-num-seqs", "2", "--no-prefix-caching"])
+                                      "--max-num-seqs", "2", "--no-enable-prefix-caching"])
     overrides = serve_overrides(args)
     assert overrides == {"port": 9100, "block_size": 16, "max_num_seqs": 2, "enable_prefix_caching": False}
     cfg = load_config(path, overrides)

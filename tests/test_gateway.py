@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -27,9 +27,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(engine: AsyncLLMEngine, **app_kwargs) -> Iterator[str]:
-    """A real uvicorn server on a loopback port serving `engine` as MODEL, once the engine is loaded."""
-    app = create_app({MODEL: OpenAIServing(MODEL, engine)}, **app_kwargs)
+def running(engine: AsyncLLMEngine, app: Any = None, **app_kwargs) -> Iterator[str]:
+    """A real uvicorn server on a loopback port serving `engine` as MODEL (or `app`), once the engine is loaded."""
+    app = app or create_app({MODEL: OpenAIServing(MODEL, engine)}, **app_kwargs)
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

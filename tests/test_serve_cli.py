@@ -1,81 +1,39 @@
-"""`kvgate serve` as a user starts it: the default model, a two-model config.yaml (flags overriding it), and an
-invalid config refused before anything loads."""
+"""`kvgate serve` as a user starts it (the default model: test_readme.py): a two-model config.yaml (flags
+overriding it), and an invalid config refused before anything loads."""
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Iterator
 
-import httpx
 import openai
+import pytest
 
 from mock_upstream import MockUpstream
+from serve_helpers import CLI, free_port, serve
+from tiny_models import build_tiny_embedding_model
 
 from kvgate.engine import LLM, SamplingParams
 
-CLI = [sys.executable, "-m", "kvgate.gateway.cli"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve(args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None
-          ) -> Iterator[tuple[str, list[str]]]:
-    """`kvgate serve ARGS` in a subprocess; yields (base URL, /health statuses seen until it said ok)."""
-    log = open(log_path, "w")
-    proc = subprocess.Popen([*CLI, "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        statuses: list[str] = []
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                r = httpx.get(f"{base}/health", timeout=5)
-                statuses.append(r.json()["status"])
-                if r.status_code == 200:
-                    break
-                assert r.status_code == 503 and r.json()["status"] == "loading", r.text
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, log_path.read_text()
-            time.sleep(0.1)
-        assert statuses and statuses[-1] == "ok", log_path.read_text()
-        yield base, statuses
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
-
-
-def test_kvgate_serve_default_model_answers(tmp_path: Path) -> None:
-    port = free_port()
-    with serve(["--port", str(port)], tmp_path / "serve.log", port) as (base, _):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
-                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
-        assert "Paris" in r.choices[0].message.content
-
-
-def test_kvgate_serve_config_with_two_models(tmp_path: Path, tiny_model_dirs: dict[str, str]) -> None:
+def test_kvgate_serve_config_with_two_models_and_an_embedding_model(tmp_path: Path,
+                                                                    tiny_model_dirs: dict[str, str]) -> None:
     models = {"tiny-llama": tiny_model_dirs["llama"], "tiny-qwen": tiny_model_dirs["qwen3"]}
+    embed = build_tiny_embedding_model(tmp_path / "embed", "qwen3")
     in_file, port = free_port(), free_port()
     config = tmp_path / "config.yaml"
     config.write_text(f"port: {in_file}\nmax_num_seqs: 4\nnum_gpu_blocks_override: 64\nmodels:\n"
                       f"  - name: tiny-llama\n    model: {models['tiny-llama']}\n"
-                      f"  - name: tiny-qwen\n    model: {models['tiny-qwen']}\n    block_size: 32\n")
+                      f"  - name: tiny-qwen\n    model: {models['tiny-qwen']}\n    block_size: 32\n"
+                      f"  - name: tiny-embed\n    model: {embed}\n")
     log = tmp_path / "serve.log"
     with serve(["--config", str(config), "--port", str(port)], log, port) as (base, _):  # the flag wins
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-        assert sorted(m.id for m in client.models.list().data) == sorted(models)
+        assert sorted(m.id for m in client.models.list().data) == sorted([*models, "tiny-embed"])
+        e = client.embeddings.create(model="tiny-embed", input=["The sky is"], encoding_format="float")
+        assert len(e.data[0].embedding) == 64  # the embedding model beside the chat ones
+        with pytest.raises(openai.BadRequestError, match="embedding model"):
+            client.completions.create(model="tiny-embed", prompt="The sky is", max_tokens=2)
         sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         for name, path in models.items():
             r = client.completions.create(model=name, prompt="The sky is", max_tokens=8, temperature=0,

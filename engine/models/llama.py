@@ -73,14 +73,19 @@ class LlamaForCausalLM(nn.Module):
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, pooling: bool = False) -> None:
+        """`pooling`: the decoder alone (an embedding model): no LM head is built, a checkpoint's lm_head.weight is
+        ignored, and compute_logits must not be called. Checkpoints without the "model." prefix (the *Model
+        architectures) load the same way."""
         super().__init__()
         self.cfg = cfg
+        self.pooling = pooling
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        untied = not cfg.tie_word_embeddings and not pooling
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None

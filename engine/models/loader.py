@@ -49,12 +49,14 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
 
 
 def get_model(cfg: ModelConfig, model_path: str, load_format: str, dtype: torch.dtype,
-              device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+              device: torch.device, seed: int = 0, pooling: bool = False) -> LlamaForCausalLM:
+    """The model with its weights. `pooling`: built without an LM head (the pooling runner; EngineConfig refuses
+    to generate with a checkpoint that has none, a *Model architecture)."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg)
+            model = LlamaForCausalLM(cfg, pooling=pooling)
     finally:
         torch.set_default_dtype(prev)
     with torch.no_grad():

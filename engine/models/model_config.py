@@ -6,12 +6,17 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# architecture name -> what differs from plain Llama
+# architecture name -> what differs from plain Llama. The *Model names are the same decoders saved without an LM
+# head (transformers' AutoModel; embedding models such as Qwen3-Embedding): they run only as pooling models.
 SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "LlamaForCausalLM": {},
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    "LlamaModel": {"no_lm_head": True},
+    "MistralModel": {"no_lm_head": True},
+    "Qwen2Model": {"attention_bias": True, "no_lm_head": True},
+    "Qwen3Model": {"qk_norm": True, "no_lm_head": True},
 }
 
 
@@ -39,6 +44,11 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     sliding_window: int | None = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """False for the *Model architectures (no LM head: they can only pool, never generate)."""
+        return not SUPPORTED_ARCHITECTURES[self.architecture].get("no_lm_head", False)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
