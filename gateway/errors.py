@@ -12,8 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded", 500: "internal_server_error",
-          503: "service_unavailable"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+          500: "internal_server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):

@@ -119,7 +119,8 @@ def test_dimensions_on_matryoshka_and_refused_elsewhere(client: openai.OpenAI, s
     assert got.shape == (4, 16)
     ids = [server[1]["emb-mrl"].tokenizer.encode(t) for t in TEXTS]
     torch.testing.assert_close(got, hf_embeddings(dirs["emb-mrl"], ids, "LAST", True, dimensions=16), **TOL)
-    with pytest.raises(openai.BadRequestError, match=r"dimensions must be one of 16, 32, 64 for this model \(its matryoshka dimensions\), got 20"):
+    with pytest.raises(openai.BadRequestError, match=r"dimensions must be one of 16, 32, 64 for this model "
+                                                     r"\(its matryoshka dimensions\), got 20"):
         client.embeddings.create(model="emb-mrl", input="x", dimensions=20)
     with pytest.raises(openai.BadRequestError, match="dimensions is not supported by this model"):
         client.embeddings.create(model="emb", input="x", dimensions=16)
