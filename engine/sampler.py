@@ -88,7 +88,8 @@ class Sampler:
         logits = logits / temp[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
-            k = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=dev).clamp(max=logits.shape[1])
+            vocab = logits.shape[1]  # k >= vocab (any int, however large) keeps every token
+            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p.top_p < 1.0 for p in params):

@@ -1,23 +1,28 @@
 """The app: OpenAI endpoints through the ModelRouter, health, models, tokenize, metrics; priorities from
-X-Priority. Chat and completion bodies are parsed once as plain JSON here; the embedded backend validates them
-with the pydantic models, and a remote one gets the client's bytes unchanged."""
+X-Priority. Chat, completion and embedding bodies are parsed once here (gateway/json_body.py: orjson, depth-limited,
+no invalid Unicode); the embedded backend validates them with the pydantic models, and a remote one gets the
+client's bytes unchanged. Every JSON body, the hot path's and FastAPI's, goes through the same parser and the same
+size limit."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import re
 import time
 from typing import Any, Awaitable, Mapping
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvgate.gateway import __version__ as VERSION
 from kvgate.gateway.backends import EmbeddedBackend
 from kvgate.gateway.errors import APIError, error_response, install_error_handlers
+from kvgate.gateway.json_body import JSONBodyRoute, json_type, parse_json_body
 from kvgate.gateway.metrics import render_metrics
-from kvgate.gateway.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvgate.gateway.prompt_tokenizer import text_bound
+from kvgate.gateway.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                                     TokenizeRequest, as_int)
 from kvgate.gateway.router import ModelRouter, RoutedRequest
 from kvgate.gateway.serving import OpenAIServing
 
@@ -28,16 +33,22 @@ BATCH_DELAY_HEADER = "x-max-batch-delay-ms"
 
 
 def request_priority(headers: Mapping[str, str], body_priority: Any) -> int:
+    """The request's priority: the X-Priority header (a decimal integer), else the body's `priority` (a JSON
+    integer), else 50; a 400 naming the value for anything else or outside [0, 100]."""
     raw = headers.get(PRIORITY_HEADER)
-    value: object = body_priority if raw is None else raw
-    if value is None:
+    if raw is None and body_priority is None:
         return 50
-    try:
-        if isinstance(value, (bool, float)):
-            raise TypeError
-        prio = int(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise APIError(400, f"priority must be an integer in [0, 100], got {value!r}", "priority") from None
+    if raw is None:
+        body_priority = as_int(body_priority)
+        if type(body_priority) is not int:
+            raise APIError(400, f"priority must be an integer in [0, 100], got {json_type(body_priority)}",
+                           "priority")
+        prio = body_priority
+    else:
+        text = raw.strip()
+        if not re.fullmatch(r"[+-]?[0-9]{1,20}", text):
+            raise APIError(400, f"{PRIORITY_HEADER} must be an integer in [0, 100], got {raw[:40]!r}", "priority")
+        prio = int(text)
     if not 0 <= prio <= 100:
         raise APIError(400, f"priority must be in [0, 100] (higher is more urgent), got {prio}", "priority")
     return prio
@@ -62,6 +73,7 @@ class GatewayApp(FastAPI):
     layers, which cost about as much as the rest of a relayed request. Everything else is ordinary FastAPI."""
 
     def configure(self, router: ModelRouter, api_key: str | None, max_body_bytes: int) -> None:
+        """`max_body_bytes` bounds every request body, declared (Content-Length) or sent (chunked)."""
         self.model_router, self.max_body_bytes = router, max_body_bytes
         self.auth = f"Bearer {api_key}".encode() if api_key is not None else None
 
@@ -81,7 +93,7 @@ class GatewayApp(FastAPI):
                                   f"{self.max_body_bytes} bytes")
         kind = GENERATE_PATHS.get(path) if scope["method"] == "POST" else None
         if error is None and kind is None:
-            return await super().__call__(scope, receive, send)
+            return await super().__call__(scope, self.limited(receive), send)
         if error is None:
             try:
                 response = await self.generate(kind, headers, receive)
@@ -96,6 +108,21 @@ class GatewayApp(FastAPI):
             response = error_response(error)
         await response(scope, receive, send)
 
+    def limited(self, receive: Any) -> Any:
+        """`receive` that raises a 413 APIError once the body passes max_body_bytes (gateway/json_body.py's route
+        answers it; a route that reads no body never sees it)."""
+        size = 0
+
+        async def receive_limited() -> dict:
+            nonlocal size
+            message = await receive()
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body is over the limit of {self.max_body_bytes} bytes")
+            return message
+
+        return receive_limited
+
     async def generate(self, kind: str, raw_headers: dict[bytes, bytes], receive: Any) -> Response:
         parts, more, size = [], True, 0
         while more:
@@ -107,14 +134,15 @@ class GatewayApp(FastAPI):
             more = message.get("more_body", False)
             if size > self.max_body_bytes:
                 raise APIError(413, f"request body is over the limit of {self.max_body_bytes} bytes")
-        raw = b"".join(parts)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise APIError(400, f"malformed JSON body: {e}") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(body).__name__}")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers.items()}
+        return await self.serve(kind, b"".join(parts), headers, receive)
+
+    async def serve(self, kind: str, raw: bytes, headers: dict[str, str], receive: Any) -> Response:
+        """One generate request of `kind` from its body bytes: parsed, its priority read, then routed."""
+        body = parse_json_body(raw)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, f"model must be a string (a model's id), got {json_type(model)}", "model")
         req = RoutedRequest(kind, body, raw, headers, request_priority(headers, body.get("priority")),
                             request_batch_delay(headers))
         if req.stream:
@@ -166,10 +194,13 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         router.start()
+        warm = asyncio.get_running_loop().create_task(measure_text_bounds(router))
         yield
+        warm.cancel()
         await router.close()
 
     app = GatewayApp(title="kvgate", version=VERSION, lifespan=lifespan)
+    app.router.route_class = JSONBodyRoute  # every FastAPI route parses its JSON body as the hot path does
     app.configure(router, api_key, max_body_bytes)
     app.state.router = router
     install_error_handlers(app, tuple(GENERATE_PATHS))
@@ -233,14 +264,35 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
     async def version():
         return {"version": VERSION}
 
+    # The generate endpoints are served by GatewayApp.__call__ before FastAPI routes anything; these routes put
+    # their request models (the ones the embedded backend validates with) into /openapi.json, and serve a request
+    # the same way should one ever reach them.
+    def generate_route(kind: str, model: type) -> None:
+        async def endpoint(request: Request, body: model) -> Response:  # type: ignore[valid-type]
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            return await app.serve(kind, await request.body(), headers, request.receive)
+
+        endpoint.__annotations__ = {"request": Request, "body": model, "return": Response}  # real types, not strings
+        path = next(p for p, k in GENERATE_PATHS.items() if k == kind)
+        app.add_api_route(path, endpoint, methods=["POST"], name=kind, response_model=None,
+                          summary={"chat": "Create a chat completion", "completions": "Create a completion",
+                                   "embeddings": "Create embeddings"}[kind],
+                          description="OpenAI's API (see README.md for kvgate's extra fields and limits).")
+
+    generate_route("chat", ChatCompletionRequest)
+    generate_route("completions", CompletionRequest)
+    generate_route("embeddings", EmbeddingRequest)
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         s = embedded_for(req.model)
+        if s.tokenizer is None:
+            raise APIError(400, f"`{s.name}` is served without a tokenizer (skip_tokenizer_init)", "model")
         if req.messages is not None:
-            ids = s.chat_prompt(ChatCompletionRequest(model=s.name, messages=req.messages,
-                                                      add_generation_prompt=req.add_generation_prompt))
+            ids = await s.chat_prompt(ChatCompletionRequest(model=s.name, messages=req.messages,
+                                                            add_generation_prompt=req.add_generation_prompt))
         elif req.prompt is not None:
-            ids = s.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await s.prompt_tokenizer.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": s.max_model_len}
@@ -248,6 +300,8 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         s = embedded_for(req.model)
+        if s.tokenizer is None:
+            raise APIError(400, f"`{s.name}` is served without a tokenizer (skip_tokenizer_init)", "model")
         vocab = s.engine.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", "tokens")
@@ -259,6 +313,19 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def measure_text_bounds(router: ModelRouter) -> None:
+    """Measure each embedded model's byte bound (gateway/prompt_tokenizer.py: one pass over its vocabulary, ~0.1 s
+    for 50k tokens) on a worker thread as soon as it is loaded, so that no request pays for it on the event loop."""
+    for d in router.deployments():
+        if isinstance(d.backend, EmbeddedBackend):
+            engine = d.backend.engine
+            while not engine.is_ready and not engine.is_dead:  # polled: no thread blocks on a load
+                await asyncio.sleep(0.2)
+            if engine.is_ready and engine.tokenizer is not None:
+                with contextlib.suppress(Exception):  # measured again on first use, and refused there if broken
+                    await asyncio.to_thread(text_bound, engine.tokenizer)
 
 
 def router_metrics(router: ModelRouter) -> str:

@@ -1,6 +1,7 @@
 """Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the right status."""
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -67,15 +68,48 @@ def unserved(method: str, path: str, post_paths: tuple[str, ...] = ()) -> APIErr
 
 
 def validation_error(e: RequestValidationError | ValidationError) -> APIError:
-    """A pydantic validation failure as a 400 that names the field and what was wrong with it."""
-    first = e.errors()[0] if e.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON body: {first.get('msg', '')}", None)
-    if first.get("type") == "extra_forbidden":
+    """A pydantic validation failure as a 400 that names the field, what was wrong with it and the value sent.
+    Of a union's failures the one that got deepest is reported (the branch that matched best), and the union's
+    branch tags (`str`, `list[ContentPart]`) are left out of the field's name."""
+    errors = e.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = max(errors, key=lambda err: len(_field_path(err.get("loc", ()))))
+    path = _field_path(first.get("loc", ()))
+    param = _format_path(path) or None
+    kind = first.get("type")
+    if kind == "json_invalid":
+        return APIError(400, f"malformed JSON body: {first.get('ctx', {}).get('error') or first.get('msg', '')}")
+    if kind == "extra_forbidden":  # the client's own field name, whatever it looks like
+        param = _format_path([p for p in first.get("loc", ()) if p != "body"])
         return APIError(400, f"unsupported field {param!r}: kvgate does not implement it", param)
-    return APIError(400, f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}", param)
+    top = str(path[0]) if path else None
+    if kind in ("prompt_shape", "stop_shape"):  # messages of our own validators: complete as they are
+        return APIError(400, first.get("msg", "invalid value"), top)
+    got = "" if kind == "missing" else f", got {_show(first.get('input'))}"
+    return APIError(400, f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}{got}", param)
+
+
+def _field_path(loc: tuple | list) -> list[str | int]:
+    """The location without "body" and without pydantic's union-branch tags (`str`, `list[int]`, `ContentPart`)."""
+    return [p for p in loc if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p in ("str", "int", "float", "bool", "list", "dict", "none") or p[:1].isupper()))]
+
+
+def _format_path(path: list[str | int]) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def _show(value: object) -> str:
+    """A short rendering of a rejected value: JSON scalars as JSON, containers by their JSON type."""
+    if isinstance(value, (dict, list)):
+        return "an object" if isinstance(value, dict) else "an array"
+    text = json.dumps(value, ensure_ascii=False) if isinstance(value, (str, int, float, bool)) or value is None \
+        else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def install_error_handlers(app: FastAPI, post_paths: tuple[str, ...] = ()) -> None:
@@ -93,6 +127,11 @@ def install_error_handlers(app: FastAPI, post_paths: tuple[str, ...] = ()) -> No
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         if e.status_code == 404 and e.detail == "Not Found":  # no route: say what is served instead
             return error_response(unserved(request.method, request.url.path, post_paths))
+        if e.status_code == 405:  # a route with other methods: say which, in the message and in Allow
+            allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow") or ""
+            return error_response(APIError(405, f"{request.url.path} takes {allow or 'another method'}, not "
+                                                f"{request.method}", None, "method_not_allowed",
+                                           headers={**(e.headers or {}), "Allow": allow}))
         return error_response(APIError(e.status_code, str(e.detail), headers=e.headers))
 
     @app.exception_handler(Exception)

@@ -1,11 +1,72 @@
-"""OpenAI request models (pydantic, the HTTP edge only) and their translation into SamplingParams."""
+"""OpenAI request models (pydantic, the HTTP edge only) and their translation into SamplingParams.
+
+Types are strict where OpenAI's API is: a boolean is true or false (not "yes", not 1), an integer is a JSON number
+without a fraction (5 or 5.0, as JSON Schema's "integer" has it; not 5.5, not "5", not true), a number is a JSON
+number. These models are the ones the embedded backend validates with, and the ones /openapi.json documents.
+"""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, ValidationInfo
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
 
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
+
+def as_int(value: Any) -> Any:
+    """`value` as an int where it is a JSON integer (an int that is not a bool, or a float without a fraction);
+    anything else unchanged, for the strict check to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[StrictInt, BeforeValidator(as_int)]
+Bool = StrictBool
+Float = Annotated[float, Strict()]  # a JSON number: an integer is accepted, a string or a boolean is not
+MAX_STOP_SEQUENCES = 64  # stop strings per request: each is looked for after every token
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+def _prompt_shape(value: Any, info: ValidationInfo) -> Any:
+    """One of OpenAI's four prompt shapes, one kind per request (ids are JSON integers), else a 400 that lists
+    them. Emptiness is the serving's to judge (it names the empty item)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        if all(isinstance(x, str) for x in value):
+            return value
+        ids = [as_int(x) for x in value]
+        if all(type(x) is int for x in ids):
+            return ids
+        lists = [[as_int(t) for t in x] if isinstance(x, list) else x for x in value]
+        if all(isinstance(x, list) and all(type(t) is int for t in x) for x in lists):
+            return lists
+    raise PydanticCustomError("prompt_shape", "{field} must be " + PROMPT_SHAPES + " (one kind per request)",
+                              {"field": info.field_name})
+
+
+def _stop_shape(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        if len(value) > MAX_STOP_SEQUENCES:
+            raise PydanticCustomError("stop_shape", "stop has {count} strings, more than the limit of {limit}",
+                                      {"count": len(value), "limit": MAX_STOP_SEQUENCES})
+        return value
+    raise PydanticCustomError("stop_shape", "stop must be a string or a list of strings", {})
+
+
+def doc(default: Any, **bounds: float) -> Any:
+    """A field whose bounds are documented in the JSON schema (for /openapi.json and the tools that read it) but
+    checked where they are decided, by SamplingParams and the engine, with messages that say the limit."""
+    return Field(default, json_schema_extra=bounds)
+
+
+Unsupported = SkipJsonSchema[Any]  # fields of OpenAI's API refused unless empty: not in the documented schema
+PromptInput = Annotated[str | list[str] | list[StrictInt] | list[list[StrictInt]], BeforeValidator(_prompt_shape)]
+Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_shape)]
 
 # fields of the OpenAI API that kvgate does not implement yet: a 400 that names them, never a silent drop
 UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "audio",
@@ -14,8 +75,8 @@ UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "log
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class ContentPart(BaseModel):
@@ -45,41 +106,42 @@ class ChatMessage(BaseModel):
 
 
 class _Common(BaseModel):
-    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
+    """Sampling fields shared by chat and completions (OpenAI's, then vLLM's extras). `model` may be left out
+    when the gateway serves one model (it goes to that one)."""
     model_config = ConfigDict(extra="forbid")
-    model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stream: bool = False
+    model: str | None = None
+    n: Int = doc(1, minimum=1)
+    temperature: Float | None = doc(None, minimum=0)
+    top_p: Float | None = doc(None, exclusiveMinimum=0, maximum=1)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    stop: Stop = None
+    seed: Int | None = None
+    presence_penalty: Float = doc(0.0, minimum=-2, maximum=2)
+    frequency_penalty: Float = doc(0.0, minimum=-2, maximum=2)
     user: str | None = None
-    priority: int | None = None  # kvgate: 0-100, higher first (vLLM's body priority is lower-first)
+    priority: Int | None = doc(None, minimum=0, maximum=100)  # kvgate: higher first (vLLM's is lower-first)
     # vLLM extras
-    top_k: int | None = None  # None here and below: the model's generation config, else vLLM's default
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    top_k: Int | None = doc(None, minimum=-1)  # None here and below: the model's generation config, else vLLM's default
+    min_p: Float | None = doc(None, minimum=0, maximum=1)
+    repetition_penalty: Float | None = doc(None, exclusiveMinimum=0, maximum=2)
+    ignore_eos: Bool = False
+    min_tokens: Int = doc(0, minimum=0)
+    stop_token_ids: list[Annotated[Int, Field(json_schema_extra={"minimum": 0})]] | None = None
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
     # accepted and ignored: they do not change what is generated
-    store: bool | None = None
+    store: Bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     response_format: dict[str, Any] | None = None
     # rejected with a clear message (see UNSUPPORTED_FIELDS)
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    logit_bias: Any = None
-    parallel_tool_calls: Any = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    logit_bias: Unsupported = None
+    parallel_tool_calls: Unsupported = None
 
     def unsupported(self) -> str | None:
         for name in UNSUPPORTED_FIELDS:
@@ -107,11 +169,11 @@ class _Common(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    max_tokens: Int | None = doc(None, minimum=1)
+    max_completion_tokens: Int | None = doc(None, minimum=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = doc(None, minimum=0, maximum=20)
+    add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
@@ -123,12 +185,13 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = None  # None: the generation config's, else --max-tokens-default, else 16 (OpenAI's)
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: Any = None
+    prompt: PromptInput
+    # max_tokens None: the generation config's, else --max-tokens-default, else 16 (OpenAI's)
+    max_tokens: Int | None = doc(None, minimum=1)
+    echo: Bool = False
+    logprobs: Int | None = doc(None, minimum=0, maximum=20)
+    best_of: Int | None = doc(None, minimum=1)
+    suffix: Unsupported = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -146,28 +209,28 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class EmbeddingRequest(BaseModel):
     """POST /v1/embeddings: OpenAI's fields, kvgate's `priority` and vLLM's `normalize` (None: the model's
     pooler config decides). `input`: a string, a list of strings, a list of token ids, or a list of lists of
-    token ids; each is embedded on its own."""
+    token ids; each is embedded on its own. `model` may be left out when the gateway serves one model."""
     model_config = ConfigDict(extra="forbid")
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Int | None = doc(None, minimum=1)
     user: str | None = None
-    priority: int | None = None  # kvgate: 0-100, higher first (read by the app, like chat's)
-    normalize: bool | None = None
+    priority: Int | None = doc(None, minimum=0, maximum=100)  # kvgate: higher first (read by the app, like chat's)
+    normalize: Bool | None = None
 
     def inputs(self) -> list[str | list[int]]:
         return one_by_one(self.input)

@@ -1,36 +1,83 @@
-"""OpenAI chat and completions on top of an AsyncLLMEngine: prompt building, limits, JSON and SSE responses."""
+"""OpenAI chat and completions on top of an AsyncLLMEngine: prompt building, limits, JSON and SSE responses.
+
+Every prompt of one /v1/completions request enters the engine at once (gateway/request_group.py), as vLLM does;
+the first failure or the client going away aborts the rest. Streams are built by gateway/serving_stream.py for
+both APIs, which differ only in how a choice looks.
+"""
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 
 from kvgate.engine.async_engine import AsyncLLMEngine
-from kvgate.engine.outputs import Logprob, RequestOutput
+from kvgate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from kvgate.gateway.prompt_tokenizer import PromptTokenizer
+from kvgate.gateway.protocol import PROMPT_SHAPES, ChatCompletionRequest, CompletionRequest
+from kvgate.gateway.request_group import RequestGroup
+from kvgate.gateway.serving_stream import ChunkTemplate, StreamSpec, sse, stream_chunks, usage
 
+__all__ = ["OpenAIServing", "ChunkTemplate", "sse", "usage", "MAX_PROMPTS"]
 OnOutput = Callable[[RequestOutput], None]
 OPENAI_COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' default max_tokens in OpenAI's API (and vLLM's)
+MAX_PROMPTS = 2048  # prompts of /v1/completions and inputs of /v1/embeddings per request (OpenAI's input limit)
+# chat_template_kwargs a client may not set: they would change what the server does, not what the template says
+RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "return_dict", "return_tensors", "conversation",
+                            "messages", "add_generation_prompt", "tokenizer_kwargs", "continue_final_message")
 
 
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+@dataclass
+class Sample:
+    """What one choice (a prompt's sample) generated, gathered from its DELTA outputs."""
+    parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, o: CompletionOutput) -> None:
+        self.parts.append(o.text)
+        self.token_ids += o.token_ids
+        self.logprobs += o.logprobs or []
+        self.finish_reason = o.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
 
-class ChunkTemplate:
-    """The SSE chunks of one stream that differ only in one text field, rendered exactly as `sse(payload)` would
-    render them, for the cost of encoding that string (the streaming hot path: one chunk per token or so)."""
-    MARK = "\x00kvgate-text\x00"
+@dataclass
+class Running:
+    """The engine requests of one API request, started: `first` holds the outputs read to start them, `outs` yields
+    the rest, `close()` aborts whatever still runs (call it however the request ends), `prompt_index` maps engine
+    request ids to prompt indices (None: one prompt, index 0)."""
+    first: list[RequestOutput]
+    outs: AsyncIterable[RequestOutput]
+    close: Callable[[], Awaitable[None]]
+    prompt_index: dict[str, int] | None
 
-    def __init__(self, payload: dict) -> None:  # payload holds MARK where the text goes
-        self.head, found, self.tail = sse(payload).partition(json.dumps(self.MARK, ensure_ascii=False))
-        assert found, "the payload must hold ChunkTemplate.MARK"
+    def prompt_of(self, out: RequestOutput) -> int:
+        return self.prompt_index[out.request_id] if self.prompt_index is not None else 0
 
-    def __call__(self, text: str) -> str:
-        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+    async def collect(self, n: int) -> dict[int, Sample]:
+        """Every output until all requests finish, by choice index (prompt index * n + sample index)."""
+        samples: dict[int, Sample] = {}
+
+        def add(out: RequestOutput) -> None:
+            base = self.prompt_of(out) * n
+            for o in out.outputs:
+                samples.setdefault(base + o.index, Sample()).add(o)
+
+        try:
+            for out in self.first:
+                add(out)
+            async for out in self.outs:
+                add(out)
+        finally:
+            await self.close()
+        return samples
 
 
 class OpenAIServing:
@@ -40,6 +87,7 @@ class OpenAIServing:
         self.name = name
         self.engine = engine
         self.created = int(time.time())
+        self._prompt_tokenizer: PromptTokenizer | None = None
 
     @property
     def tokenizer(self):
@@ -49,6 +97,14 @@ class OpenAIServing:
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 
+    @property
+    def prompt_tokenizer(self) -> PromptTokenizer:
+        """The tokenizer with the byte bound and off-loop tokenization (built once the engine is loaded)."""
+        pt = self._prompt_tokenizer
+        if pt is None or pt.tokenizer is not self.tokenizer or pt.max_model_len != self.max_model_len:
+            pt = self._prompt_tokenizer = PromptTokenizer(self.tokenizer, self.max_model_len)
+        return pt
+
     # ---- prompts and limits ------------------------------------------------------------------------------------
     @property
     def default_sampling_params(self) -> dict[str, Any]:
@@ -56,31 +112,70 @@ class OpenAIServing:
         max_tokens): the defaults for what a request leaves out."""
         return self.engine.config.default_sampling_params
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    def _need_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, f"this model is served without a tokenizer (skip_tokenizer_init): send token ids as "
+                                f"{what}", what)
+
+    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """The conversation's token ids through the chat template (checked against the byte bound first, rendered
+        off the event loop when long); a 400 for a template that refuses the conversation."""
         try:
             messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(i)}
                         for i, m in enumerate(req.messages)]
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
+        self._need_tokenizer("prompt (use /v1/completions)")
+        kwargs = req.chat_template_kwargs or {}
+        if reserved := [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: only variables the "
+                                f"template reads", "chat_template_kwargs")
         try:
-            return list(self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False,
-                **(req.chat_template_kwargs or {})))
+            return await self.prompt_tokenizer.apply_chat_template(
+                messages, "messages", add_generation_prompt=req.add_generation_prompt, **kwargs)
+        except APIError:
+            raise
         except Exception as e:  # a template that rejects this conversation
             raise APIError(400, f"cannot apply the chat template: {e}", "messages") from e
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return prompt
+    async def input_ids(self, inputs: list[str | list[int]], what: str) -> list[list[int]]:
+        """Token ids of each prompt of a request (`what`: "prompt" or "input", as the API calls it), each checked:
+        one to MAX_PROMPTS of them, none empty, texts within the byte bound, ids in the vocabulary, at least one
+        token after tokenization. Messages name the item ("input[3]") when there are several."""
+        if not inputs:
+            raise APIError(400, f"{what} must not be empty: give {PROMPT_SHAPES}", what)
+        if len(inputs) > MAX_PROMPTS:
+            raise APIError(400, f"{what} has {len(inputs)} items, more than the limit of {MAX_PROMPTS} per request",
+                           what)
+
+        def name(k: int) -> str:
+            return what if len(inputs) == 1 else f"{what}[{k}]"
+
+        for k, x in enumerate(inputs):
+            if not x:
+                raise APIError(400, f"{name(k)} is empty: every {what} needs at least one token", what)
+        texts = [k for k, x in enumerate(inputs) if isinstance(x, str)]
+        if texts:
+            self._need_tokenizer(what)
+        encoded = iter(await self.prompt_tokenizer.encode_batch([inputs[k] for k in texts],  # type: ignore[misc]
+                                                                [name(k) for k in texts]) if texts else [])
+        prompts = [next(encoded) if isinstance(x, str) else x for x in inputs]
+        vocab = self.engine.config.model_config.vocab_size
+        for k, (x, ids) in enumerate(zip(inputs, prompts)):
+            if not isinstance(x, str) and (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
+                raise APIError(400, f"{name(k)} has token id {bad}, out of range: ids must be in [0, {vocab})", what)
+            if not ids:
+                raise APIError(400, f"{name(k)} has no tokens after tokenization: at least one is needed", what)
+        return prompts
 
     def check_length(self, prompt_len: int, max_tokens: int | None, what: str, fallback: int | None = None) -> int:
         """The request's max_tokens, checked against the context (a 400 that says the limit). When it gives none:
         the generation config's max_new_tokens, else the server's max_tokens_default, else `fallback` (None: up to
-        the context), never more than the room the prompt leaves."""
+        the context), never more than the room the prompt leaves. `what` names the prompt ("prompt[2]")."""
         limit = self.max_model_len
+        param = what.split("[", 1)[0]
         if prompt_len == 0:
-            raise APIError(400, "the prompt is empty: at least one token is needed", "prompt")
+            raise APIError(400, f"the {what} is empty: at least one token is needed", param)
         if max_tokens is not None and max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
         room = limit - prompt_len
@@ -89,7 +184,7 @@ class OpenAIServing:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{asked} tokens ({prompt_len} in the {what}, {max_tokens or 1} in the completion). "
                                 f"Please reduce the length of the {what} or completion.", "max_tokens"
-                           if room >= 1 else what, "context_length_exceeded")
+                           if room >= 1 else param, "context_length_exceeded")
         if max_tokens is not None:
             return max_tokens
         default = self.default_sampling_params.get("max_tokens") or self.engine.config.args.max_tokens_default \
@@ -103,7 +198,7 @@ class OpenAIServing:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0]) from e
 
-    # ---- streams -------------------------------------------------------------------------------------------------
+    # ---- engine requests -----------------------------------------------------------------------------------------
     async def _outputs(self, prompt: list[int], sp: SamplingParams, rid: str, priority: int,
                        delay: float | None, on_output: OnOutput | None) -> AsyncIterator[RequestOutput]:
         try:
@@ -114,152 +209,123 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    async def _start(self, prompts: list[list[int]], params: list[SamplingParams], rid: str, priority: int,
+                     delay: float | None, on_output: OnOutput | None) -> Running:
+        """Submit every prompt at once and wait for each one's first output, so that invalid input surfaces as an
+        HTTP error before a stream starts; on a failure, whatever was started is aborted."""
+        if len(prompts) == 1:  # the common case: the engine's stream itself, no task in between
+            outs = self._outputs(prompts[0], params[0], rid, priority, delay, on_output)
+            try:
+                first = await outs.__anext__()
+            except StopAsyncIteration:
+                return Running([], outs, outs.aclose, None)
+            except BaseException:
+                await outs.aclose()
+                raise
+            return Running([first], outs, outs.aclose, None)
+        ids = [f"{rid}-{k}" for k in range(len(prompts))]
+        group: RequestGroup[RequestOutput] = RequestGroup([
+            self._outputs(p, sp, i, priority, delay, on_output) for p, sp, i in zip(prompts, params, ids)])
+        try:
+            await group.started()
+        except BaseException:
+            await group.aclose()
+            raise
+        return Running([], group, group.aclose, {i: k for k, i in enumerate(ids)})
+
+    # ---- the two APIs ----------------------------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, priority: int, delay: float | None,
                    on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
         """`on_output` sees every engine output (the router learns TTFT and token rates from them)."""
-        prompt = self.chat_prompt(req)
+        prompt = await self.chat_prompt(req)
         max_tokens = self.check_length(len(prompt), req.requested_max_tokens, "messages")
         sp = self.sampling(req, max_tokens)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outs = self._outputs(prompt, sp, rid, priority, delay, on_output)
+        run = await self._start([prompt], [sp], rid, priority, delay, on_output)
+        top = req.top_logprobs or 0
         if req.stream:
-            first = await anext_or_none(outs)  # surface invalid input as an HTTP error, before the stream starts
-            return self._chat_stream(req, rid, len(prompt), first, outs)
-        texts, tokens, finish, logprobs = self._empty(req.n)
-        async for out in outs:
-            self._accumulate(out, texts, tokens, finish, logprobs)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": {"content": self._chat_logprobs(logprobs[i], tokens[i], req.top_logprobs or 0)}
-                    if req.logprobs else None,
-                    "finish_reason": finish[i]} for i in range(req.n)]
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
-                "choices": choices, "usage": usage(len(prompt), sum(len(t) for t in tokens))}
-
-    async def _chat_stream(self, req: ChatCompletionRequest, rid: str, prompt_len: int, first: RequestOutput | None,
-                           outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        created, completion = int(time.time()), 0
-
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
-                        "choices": choices, **extra})
-
-        plain = ChunkTemplate({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.name,
-                               "choices": [{"index": 0, "delta": {"content": ChunkTemplate.MARK}, "logprobs": None,
-                                            "finish_reason": None}]}) if req.n == 1 and not req.logprobs else None
-
-        def render(out: RequestOutput) -> str | None:
-            nonlocal completion
-            if plain is not None and len(out.outputs) == 1 and out.outputs[0].finish_reason is None:
-                o = out.outputs[0]  # the common case: one sample, text, not the end
-                completion += len(o.token_ids)
-                return plain(o.text) if o.text else None
-            choices = []
-            for o in out.outputs:
-                completion += len(o.token_ids)
+            def choice(index: int, _: int, o: CompletionOutput) -> dict | None:
                 if not o.text and o.finish_reason is None:  # tokens whose text is held back: nothing to send yet
-                    continue
-                lp = {"content": self._chat_logprobs(o.logprobs or [], o.token_ids, req.top_logprobs or 0)} \
-                    if req.logprobs else None
-                choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
-                                "finish_reason": o.finish_reason})
-            return chunk(choices) if choices else None
+                    return None
+                lp = {"content": self._chat_logprobs(o.logprobs or [], o.token_ids, top)} if req.logprobs else None
+                return {"index": index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
+                        "finish_reason": o.finish_reason}
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for i in range(req.n)])
-        if first is not None and (text := render(first)) is not None:
-            yield text
-        if first is not None and not first.finished:
-            async for out in outs:
-                if (text := render(out)) is not None:
-                    yield text
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=usage(prompt_len, completion))
-        yield sse("[DONE]")
+            plain = {"index": 0, "delta": {"content": ChunkTemplate.MARK}, "logprobs": None, "finish_reason": None}
+            spec = StreamSpec(rid, "chat.completion.chunk", self.name, req.n, len(prompt), self._include_usage(req),
+                              choice, plain if req.n == 1 and not req.logprobs else None,
+                              [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(req.n)])
+            return stream_chunks(spec, run.first, run.outs, run.close)
+        samples = await run.collect(req.n)
+        choices = []
+        for i in range(req.n):
+            s = samples.get(i, Sample())
+            choices.append({"index": i, "message": {"role": "assistant", "content": s.text},
+                            "logprobs": {"content": self._chat_logprobs(s.logprobs, s.token_ids, top)}
+                            if req.logprobs else None, "finish_reason": s.finish_reason})
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
+                "choices": choices, "usage": usage(len(prompt), sum(len(s.token_ids) for s in samples.values()))}
 
     async def completions(self, req: CompletionRequest, priority: int, delay: float | None,
                           on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
+        """Every prompt of the request runs at once; choices are numbered prompt index * n + sample index."""
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
-        prompts = [self.encode(p) for p in req.prompts()]
-        if req.stream and len(prompts) > 1:
-            raise APIError(400, "streaming supports one prompt per request", "prompt")
-        max_tokens = [self.check_length(len(p), req.max_tokens, "prompt", OPENAI_COMPLETIONS_MAX_TOKENS)
-                      for p in prompts]
+        prompts = await self.input_ids(req.prompts(), "prompt")
+        if req.echo:
+            self._need_tokenizer("prompt (echo needs one to show the prompt's text)")
+        sps = []  # one each: the engine owns a request's params
+        for k, p in enumerate(prompts):
+            what = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
+            sps.append(self.sampling(req, self.check_length(len(p), req.max_tokens, what,
+                                                            OPENAI_COMPLETIONS_MAX_TOKENS)))
         rid = f"cmpl-{uuid.uuid4().hex}"
+        run = await self._start(prompts, sps, rid, priority, delay, on_output)
+        n, top = req.n, req.logprobs or 0
+        echoes: dict[int, str] = {}
+
+        def echo(k: int) -> str:  # the prompt's text, decoded once
+            if k not in echoes:
+                echoes[k] = self.tokenizer.decode(prompts[k])
+            return echoes[k]
+
         if req.stream:
-            sp = self.sampling(req, max_tokens[0])
-            outs = self._outputs(prompts[0], sp, rid, priority, delay, on_output)
-            first = await anext_or_none(outs)
-            return self._completion_stream(req, rid, prompts[0], first, outs)
-        choices, completion = [], 0
-        for k, prompt in enumerate(prompts):
-            sp = self.sampling(req, max_tokens[k])
-            texts, tokens, finish, logprobs = self._empty(req.n)
-            async for out in self._outputs(prompt, sp, f"{rid}-{k}", priority, delay, on_output):
-                self._accumulate(out, texts, tokens, finish, logprobs)
-            echo = self.tokenizer.decode(prompt) if req.echo else ""
-            for i in range(req.n):
-                completion += len(tokens[i])
-                choices.append({"index": k * req.n + i, "text": echo + texts[i], "finish_reason": finish[i],
-                                "logprobs": self._completion_logprobs(logprobs[i], tokens[i], req.logprobs or 0)
-                                if req.logprobs is not None else None})
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
-                "choices": choices, "usage": usage(sum(len(p) for p in prompts), completion)}
+            echoed: set[int] = set()
 
-    async def _completion_stream(self, req: CompletionRequest, rid: str, prompt: list[int],
-                                 first: RequestOutput | None, outs: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        created, completion, echoed = int(time.time()), 0, set()
-
-        def chunk(choices: list[dict], **extra: Any) -> str:
-            return sse({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                        "choices": choices, **extra})
-
-        plain = ChunkTemplate({"id": rid, "object": "text_completion", "created": created, "model": self.name,
-                               "choices": [{"index": 0, "text": ChunkTemplate.MARK, "finish_reason": None,
-                                            "logprobs": None}]}) \
-            if req.n == 1 and req.logprobs is None and not req.echo else None
-
-        def render(out: RequestOutput) -> str | None:
-            nonlocal completion
-            if plain is not None and len(out.outputs) == 1 and out.outputs[0].finish_reason is None:
-                o = out.outputs[0]  # the common case: one sample, text, not the end
-                completion += len(o.token_ids)
-                return plain(o.text) if o.text else None
-            choices = []
-            for o in out.outputs:
-                completion += len(o.token_ids)
+            def choice(index: int, k: int, o: CompletionOutput) -> dict | None:
                 text = o.text
-                if req.echo and o.index not in echoed:
-                    text, _ = self.tokenizer.decode(prompt) + text, echoed.add(o.index)
+                if req.echo and index not in echoed:
+                    text = echo(k) + text
+                    echoed.add(index)
                 if not text and o.finish_reason is None:
-                    continue
-                choices.append({"index": o.index, "text": text, "finish_reason": o.finish_reason,
-                                "logprobs": self._completion_logprobs(o.logprobs or [], o.token_ids, req.logprobs or 0)
-                                if req.logprobs is not None else None})
-            return chunk(choices) if choices else None
+                    return None
+                return {"index": index, "text": text, "finish_reason": o.finish_reason,
+                        "logprobs": self._completion_logprobs(o.logprobs or [], o.token_ids, top)
+                        if req.logprobs is not None else None}
 
-        if first is not None and (text := render(first)) is not None:
-            yield text
-        if first is not None and not first.finished:
-            async for out in outs:
-                if (text := render(out)) is not None:
-                    yield text
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], usage=usage(len(prompt), completion))
-        yield sse("[DONE]")
+            plain = {"index": 0, "text": ChunkTemplate.MARK, "finish_reason": None, "logprobs": None}
+            one = len(prompts) == 1 and n == 1 and req.logprobs is None and not req.echo
+            spec = StreamSpec(rid, "text_completion", self.name, n, sum(len(p) for p in prompts),
+                              self._include_usage(req), choice, plain if one else None,
+                              prompt_index=run.prompt_index)
+            return stream_chunks(spec, run.first, run.outs, run.close)
+        samples = await run.collect(n)
+        choices = []
+        for index in range(len(prompts) * n):
+            s = samples.get(index, Sample())
+            choices.append({"index": index, "text": (echo(index // n) if req.echo else "") + s.text,
+                            "finish_reason": s.finish_reason,
+                            "logprobs": self._completion_logprobs(s.logprobs, s.token_ids, top)
+                            if req.logprobs is not None else None})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
+                "choices": choices, "usage": usage(sum(len(p) for p in prompts),
+                                                   sum(len(s.token_ids) for s in samples.values()))}
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     @staticmethod
-    def _empty(n: int) -> tuple[list[str], list[list[int]], list[str | None], list[list]]:
-        return [""] * n, [[] for _ in range(n)], [None] * n, [[] for _ in range(n)]
-
-    @staticmethod
-    def _accumulate(out: RequestOutput, texts: list[str], tokens: list[list[int]], finish: list, lps: list) -> None:
-        for o in out.outputs:
-            texts[o.index] += o.text
-            tokens[o.index] += o.token_ids
-            lps[o.index] += o.logprobs or []
-            finish[o.index] = o.finish_reason
+    def _include_usage(req: ChatCompletionRequest | CompletionRequest) -> bool:
+        return bool(req.stream_options and req.stream_options.include_usage)
 
     @staticmethod
     def _chat_logprobs(entries: list[dict[int, Logprob]], token_ids: list[int], top_n: int) -> list[dict]:
@@ -286,14 +352,3 @@ class OpenAIServing:
             offsets.append(pos)
             pos += len(tok)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-async def anext_or_none(it: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    try:
-        return await it.__anext__()
-    except StopAsyncIteration:
-        return None

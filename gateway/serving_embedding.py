@@ -22,8 +22,6 @@ from kvgate.gateway.errors import APIError, validation_error
 from kvgate.gateway.protocol import EmbeddingRequest
 from kvgate.gateway.serving import OpenAIServing
 
-MAX_EMBEDDING_INPUTS = 2048  # inputs per request, as OpenAI's API
-TOKENIZE_IN_THREAD_CHARS = 1 << 16  # longer texts are tokenized off the event loop
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 
 
@@ -61,10 +59,6 @@ class OpenAIServingEmbedding:
         try:
             req = EmbeddingRequest.model_validate(body)
         except ValidationError as e:
-            first = e.errors()[0] if e.errors() else {}
-            if first.get("loc", ())[:1] == ("input",) and first.get("type") != "missing":  # one message, not 4
-                raise APIError(400, "input must be a string, a list of strings, a list of token ids or a list of "
-                                    "lists of token ids (one kind per request)", "input") from None
             raise validation_error(e) from None
         config = self.serving.engine.config
         try:
@@ -83,50 +77,18 @@ class OpenAIServingEmbedding:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     async def prompts(self, req: EmbeddingRequest) -> list[list[int]]:
-        """Token ids of every input, each checked: not empty, ids in the vocabulary, at most max_model_len tokens
-        (a pooling prompt needs no room for output)."""
+        """Token ids of every input, each checked as OpenAIServing.input_ids checks prompts (not empty, at most
+        MAX_PROMPTS, texts within the byte bound and tokenized off the event loop when long, ids in the vocabulary),
+        and at most max_model_len tokens (a pooling prompt needs no room for output)."""
         inputs = req.inputs()
-        if not inputs:
-            raise APIError(400, "input must not be empty: give a string, a list of strings, a list of token ids "
-                                "or a list of lists of token ids", "input")
-        if len(inputs) > MAX_EMBEDDING_INPUTS:
-            raise APIError(400, f"input has {len(inputs)} items, more than the limit of {MAX_EMBEDDING_INPUTS} "
-                                f"per request", "input")
-
-        def name(k: int) -> str:  # how the messages call input k
-            return "input" if len(inputs) == 1 else f"input[{k}]"
-
-        for k, x in enumerate(inputs):
-            if not x:
-                raise APIError(400, f"{name(k)} is empty: every input needs at least one token", "input")
-        texts = [x for x in inputs if isinstance(x, str)]
-        encoded = iter(await self._tokenize(texts) if texts else [])
-        prompts = [next(encoded) if isinstance(x, str) else x for x in inputs]
-        vocab = self.serving.engine.config.model_config.vocab_size
+        prompts = await self.serving.input_ids(inputs, "input")
         limit = self.serving.max_model_len
-        for k, (x, ids) in enumerate(zip(inputs, prompts)):
-            if not isinstance(x, str) and (bad := next((t for t in ids if not 0 <= t < vocab), None)) is not None:
-                raise APIError(400, f"{name(k)} has token id {bad}, out of range: ids must be in [0, {vocab})",
-                               "input")
-            if not ids:
-                raise APIError(400, f"{name(k)} has no tokens after tokenization: at least one is needed", "input")
+        for k, ids in enumerate(prompts):
             if len(ids) > limit:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens, but {name(k)} has "
+                name = "input" if len(inputs) == 1 else f"input[{k}]"
+                raise APIError(400, f"This model's maximum context length is {limit} tokens, but {name} has "
                                     f"{len(ids)} tokens. Please shorten it.", "input", "context_length_exceeded")
         return prompts
-
-    async def _tokenize(self, texts: list[str]) -> list[list[int]]:
-        tok = self.serving.tokenizer
-        if tok is None:
-            raise APIError(400, "this model is served without a tokenizer (skip_tokenizer_init): send token ids as "
-                                "input", "input")
-
-        def run() -> list[list[int]]:
-            return [tok.encode(t) for t in texts] if len(texts) == 1 else list(tok(texts)["input_ids"])
-
-        if sum(len(t) for t in texts) > TOKENIZE_IN_THREAD_CHARS:
-            return await asyncio.to_thread(run)
-        return run()
 
     async def _run(self, prompts: list[list[int]], params: PoolingParams, rid: str, priority: int,
                    delay: float | None) -> list[PoolingRequestOutput]:
