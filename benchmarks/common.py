@@ -24,8 +24,9 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(str(r.get(c, "")).ljust(w) for c, w in zip(cols, widths)))
 
 
-def append_results(label: str, command: str, rows: list[dict]) -> None:
-    """Append a dated markdown table (label, machine, versions, command) to benchmarks/RESULTS.md."""
+def append_results(label: str, command: str, rows: list[dict], section: str | None = None, note: str = "") -> None:
+    """Append a dated markdown table (label, machine, versions, command, then `note`) to benchmarks/RESULTS.md: at
+    the end of the file, or last in `section` (a "## ..." heading, added at the end when it is missing)."""
     try:
         import triton
 
@@ -40,5 +41,18 @@ def append_results(label: str, command: str, rows: list[dict]) -> None:
              f"python {platform.python_version()}", f"`{command}`", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
-    with open(RESULTS, "a") as f:
-        f.write("\n".join(lines) + "\n")
+    if note:
+        lines += ["", note]
+    entry = "\n".join(lines) + "\n"
+    if section is None:
+        with open(RESULTS, "a") as f:
+            f.write(entry)
+        return
+    with open(RESULTS) as f:
+        text = f.read()
+    if section not in text:
+        text = text.rstrip("\n") + f"\n\n{section}\n"
+    end = text.find("\n## ", text.index(section) + len(section))  # the entry goes last in its section
+    end = len(text) if end < 0 else end + 1
+    with open(RESULTS, "w") as f:
+        f.write(text[:end].rstrip("\n") + "\n" + entry + ("\n" + text[end:] if end < len(text) else ""))

@@ -14,6 +14,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the default model, shipped as a 
 DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # "float" and "half" are aliases, as in vLLM
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 RUNNERS = ("auto", "generate", "pooling")
+CORE_DEATH_POLICIES = ("restart", "exit")
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,13 @@ class EngineArgs:
     enforce_eager: bool = arg(False, "on CUDA, no CUDA graphs")
     skip_tokenizer_init: bool = arg(False, "load no tokenizer: prompts are token ids, outputs have no text")
     engine_core_process: bool | None = arg(None, "run the engine loop in a process of its own (default: on CUDA)")
+    on_engine_core_death: str = arg("restart", "what happens when the engine core process dies (killed, out of "
+                                               "memory, a CUDA error): restart it (its requests fail; new ones get "
+                                               "503 with Retry-After while it reloads) or exit (kvgate serve drains "
+                                               "and exits with status 1, for a supervisor to restart it); only with "
+                                               "engine_core_process", choices=CORE_DEATH_POLICIES)
+    max_engine_core_restarts: int = arg(3, "restarts of a dead engine core allowed within 60 s; a death beyond "
+                                           "them is handled as on_engine_core_death=exit", ge=0)
     served_model_name: str | None = arg(None, "the model id clients send (default: from the model path)",
                                         metavar="NAME")
     runner: str = arg("auto", "generate text, or pooling: embeddings (auto: pooling for *Model architectures and "

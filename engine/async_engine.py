@@ -9,13 +9,19 @@ engine thread, or the reader of the core's pipe), which hands them to their even
 outputs are merged, so a busy loop is not flooded). Cancelling a stream (client gone) aborts its request, which
 frees its KV blocks on the core's next turn. With every turn comes an EngineStats snapshot (`stats`), so readers
 never touch live engine state.
+
+A core in a process of its own can die (the kernel's OOM killer, a CUDA error, SIGKILL). Its pipe then closes, and
+every request in flight fails at once with EngineDeadError: no stream waits on a dead core. What follows is the
+`on_engine_core_death` policy: "restart" starts a new core (at most `max_engine_core_restarts` within 60 s) while
+`is_ready` is False and `is_dead` is not, so the gateway answers 503 "loading" meanwhile; "exit", an exhausted
+restart budget or a restart that fails to load leave the engine dead for good, and `on_dead(engine)` is called
+(kvgate serve then drains and exits with status 1, for a supervisor to restart it).
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
-import multiprocessing
 import queue
 import threading
 import time
@@ -23,15 +29,15 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.config import EngineArgs, EngineConfig
-from kvgate.engine.engine_core import CoreOutputs, EngineCore, run_core_process
+from kvgate.engine.core_process import RESTART_WINDOW_S, CoreProcess, RestartBudget, start_core_process
+from kvgate.engine.engine_core import CoreOutputs, EngineCore
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
-from kvgate.engine.output_stream import RequestOutputStream
+from kvgate.engine.output_stream import RequestOutputStream, push_on_loop, settle
 from kvgate.engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
-from kvgate.engine.stats import EngineStats, snapshot
-from kvgate.engine.tokenizer import load_tokenizer
+from kvgate.engine.stats import EngineStats, idle, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +54,14 @@ _LOAD_LOCK = threading.Lock()
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine cannot serve this request: it failed to load, its core process died (or is being restarted), it
+    was shut down, or the server aborted the request while shutting down. Nothing of the request is left behind."""
 
 
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, start: bool = True,
-                 on_loaded: Callable[["AsyncLLMEngine"], None] | None = None) -> None:
+                 on_loaded: Callable[["AsyncLLMEngine"], None] | None = None,
+                 on_dead: Callable[["AsyncLLMEngine"], None] | None = None) -> None:
         self.args = args
         self.config: EngineConfig | None = None  # set once loaded (max_model_len as the KV cache allows)
         self.tokenizer: Any = None  # set once loaded (None with skip_tokenizer_init)
@@ -61,41 +69,64 @@ class AsyncLLMEngine:
         self.load_error: BaseException | None = None
         self.load_time: float | None = None  # seconds the load took (set when it is done, failed or not)
         self.stats: EngineStats | None = None  # the latest snapshot, replaced (never mutated) after every turn
-        self._on_loaded = on_loaded
+        self.num_restarts = 0  # times a dead core process was replaced by a new one
+        self.death: str | None = None  # why the engine died for good after it had loaded (None while it serves)
+        self._on_loaded, self._on_dead = on_loaded, on_dead
+        self._restarts = RestartBudget(args.max_engine_core_restarts)
+        self._restarting = False  # a new core process is loading in place of a dead one
         self._ready = threading.Event()
         self._inbox: queue.Queue[tuple] = queue.Queue()  # the core's commands when it runs on a thread
         self._conn: Any = None  # the pipe to the core's process, when it has one
         self._conn_lock = threading.Lock()
-        self._process: Any = None
+        self._process: Any = None  # the core's process, when it has one
         self._streams: dict[str, RequestOutputStream] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         self._stopped = False
-        self._core_gone = False  # the core's process exited: set before its streams are failed
+        self._core_gone = False  # the core cannot take requests (its process exited, or its loop ended)
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         if start:
             self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs,
-                         on_loaded: Callable[["AsyncLLMEngine"], None] | None = None) -> "AsyncLLMEngine":
+    def from_engine_args(cls, args: EngineArgs, on_loaded: Callable[["AsyncLLMEngine"], None] | None = None,
+                         on_dead: Callable[["AsyncLLMEngine"], None] | None = None) -> "AsyncLLMEngine":
         """Starts loading at once (on the engine thread); `is_ready` / `wait_until_ready()` tell when it is done, and
-        `on_loaded(engine)` (if given) is called on the engine thread once the load succeeded or failed."""
-        return cls(args, on_loaded=on_loaded)
+        `on_loaded(engine)` (if given) is called on the engine thread once the load succeeded or failed.
+        `on_dead(engine)` is called on the engine thread, once, if the loaded engine later dies for good (its core
+        process died and is not restarted; `death` says why); never for a shutdown."""
+        return cls(args, on_loaded=on_loaded, on_dead=on_dead)
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
     def is_ready(self) -> bool:
-        return self._ready.is_set() and self.load_error is None
+        """Loaded and able to take requests (False while loading, and while a dead core is being restarted)."""
+        return self._ready.is_set() and self.load_error is None and not self._core_gone
 
     @property
     def is_dead(self) -> bool:
-        return self.load_error is not None or self._core_gone or (self._ready.is_set() and not self._thread.is_alive())
+        """Failed to load, shut down, or its core died and is not coming back (False while it restarts)."""
+        return self.load_error is not None or (self._core_gone and not self._restarting) or (
+            self._ready.is_set() and not self._thread.is_alive())
+
+    @property
+    def is_restarting(self) -> bool:
+        return self._restarting
 
     @property
     def in_process(self) -> bool:
         """Whether the engine core runs in a process of its own."""
         return self._conn is not None
+
+    @property
+    def name(self) -> str:
+        """The served model name, else the model's path (for logs)."""
+        return self.args.served_model_name or self.args.model or "the default model"
+
+    @property
+    def core_pid(self) -> int | None:
+        """The process id of the engine core's process (the latest one, after restarts); None on a thread."""
+        return self._process.pid if self._process is not None else None
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
         ok = await asyncio.to_thread(self._ready.wait, timeout)
@@ -105,6 +136,8 @@ class AsyncLLMEngine:
             raise TimeoutError(f"the engine did not load within {timeout} s")
 
     def shutdown(self) -> None:
+        """Stop the core (after its current step) and wait for it; requests still in flight fail with
+        EngineDeadError, and new ones are refused."""
         self._stopped = True
         self._command(("stop",))
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -152,10 +185,12 @@ class AsyncLLMEngine:
     async def _submit(self, prompt: PromptType, params: SamplingParams | PoolingParams, request_id: str,
                       priority: int, max_batch_delay: float | None, delta: bool) -> RequestOutputStream:
         """Check, register the request's stream and send it to the core; the caller reads the stream."""
-        if self.is_dead:
-            raise EngineDeadError("the engine is not running")
-        if not self.is_ready:
+        if self.is_dead or self._stopped:
+            raise EngineDeadError(self.death or "the engine is not running")
+        if not self.is_ready:  # loading, or restarting its core: wait for it
             await self.wait_until_ready()
+            if not self.is_ready:
+                raise EngineDeadError(self.death or "the engine is not running")
         check_runner(self.config.runner, isinstance(params, PoolingParams))
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -163,12 +198,13 @@ class AsyncLLMEngine:
         if self.in_process:  # the core's outputs leave the prompt out: this side keeps it
             text, ids = encode_prompt(self.tokenizer, prompt)
             stream.prompt, prompt = (text, ids), {"prompt": text, "prompt_token_ids": ids}
+        conn = self._conn  # the core this request goes to: never a newer one that its failure did not see
         self._streams[request_id] = stream
         if self._core_gone:  # it died after the check above: its reader may have failed the streams already
             self._streams.pop(request_id, None)
             raise EngineDeadError("the engine is not running")
         arrival = time.monotonic()  # now, not when the core gets to it: latencies include that wait
-        self._command(("add", request_id, prompt, params, priority, max_batch_delay, arrival))
+        self._command(("add", request_id, prompt, params, priority, max_batch_delay, arrival), conn)
         return stream
 
     @property
@@ -179,6 +215,26 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._command(("abort", request_id))
+
+    def abort_all(self, error: BaseException) -> int:
+        """Fail every request in flight with `error` (each stream raises it at once) and abort it in the core, which
+        frees its KV blocks on its next turn. Returns how many there were. New requests are still taken."""
+        rids = list(self._streams)
+        self._on_core_outputs(CoreOutputs(failed=[(rid, error) for rid in rids]))
+        for rid in rids:
+            self._command(("abort", rid))
+        return len(rids)
+
+    async def settled_stats(self, timeout: float = 5.0) -> EngineStats | None:
+        """The core's stats once it has run every command sent before this call (aborts included): the snapshot of
+        that turn. None when the core is gone or does not answer within `timeout` seconds."""
+        if not self.is_ready:
+            return None
+        try:
+            await asyncio.wait_for(self.call(_nothing), timeout)
+        except (EngineDeadError, asyncio.TimeoutError):
+            return None
+        return self.stats
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> "asyncio.Future[Any]":
         """Run fn(engine) in the engine core between steps (for tests and tools); with the core in its own process,
@@ -197,13 +253,15 @@ class AsyncLLMEngine:
             raise
         return fut
 
-    def _command(self, cmd: tuple) -> None:
-        if self._conn is None:
+    def _command(self, cmd: tuple, conn: Any = None) -> None:
+        """Send a command to the core (to `conn`, the pipe of a given core process, if given)."""
+        conn = conn if conn is not None else self._conn
+        if conn is None:
             self._inbox.put(cmd)
             return
         with self._conn_lock:
             try:
-                self._conn.send(cmd)
+                conn.send(cmd)
             except OSError:  # the core's process is gone: is_dead says so, and its streams have failed
                 pass
 
@@ -218,7 +276,7 @@ class AsyncLLMEngine:
                 if in_process is None:
                     in_process = config.device.type == "cuda"
                 if in_process:
-                    self._start_process(config)
+                    self._attach(start_core_process(self.args, config))
                 else:
                     self.engine = LLMEngine(config)
                     self.config, self.tokenizer = config, self.engine.tokenizer
@@ -227,8 +285,6 @@ class AsyncLLMEngine:
         except BaseException as e:  # noqa: BLE001 - reported through is_dead / wait_until_ready
             self.load_error = e
             logger.error("engine failed to load: %s", e)
-            if self._process is not None and self._process.pid is not None:
-                self._process.kill()
         finally:
             self.load_time = time.perf_counter() - t0
             self._ready.set()
@@ -239,44 +295,89 @@ class AsyncLLMEngine:
                     logger.exception("on_loaded callback failed")
         if self.load_error is not None:
             return
-        if core is not None:
-            core.run()
-        else:
-            self._read_outputs()
-
-    def _start_process(self, config: EngineConfig) -> None:
-        """Start the core's process, load the tokenizer meanwhile, and wait for the core's report."""
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
-        parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=run_core_process, name="kvgate-engine-core", daemon=True,
-                                    args=(self.args, child, logging.getLogger("kvgate").getEffectiveLevel()))
-        self._process.start()
-        child.close()
-        tokenizer = None if self.args.skip_tokenizer_init else load_tokenizer(config)
+        if core is None:
+            self._supervise()
+            return
         try:
-            report = parent.recv()
-        except EOFError:
-            raise RuntimeError(f"the engine core process exited while loading (exit code "
-                               f"{self._process.join(5) or self._process.exitcode})") from None
-        if report[0] == "load_error":
-            raise report[1]
-        _, config, self.stats = report  # the core's own config: what it resolved (max_model_len, dtype, ...)
-        self.config, self.tokenizer, self._conn = config, tokenizer, parent
-        if self._stopped:  # shut down while loading
+            core.run()
+        finally:  # stopped (or, against every expectation, broken): nothing may wait on it any more
+            self._core_gone = True
+            self._fail_all(EngineDeadError("the engine was shut down" if self._stopped else "the engine loop ended"))
+
+    def _attach(self, core: CoreProcess) -> None:
+        """Take a core process that reported ready as this engine's core."""
+        self._process = core.process
+        self.config, self.tokenizer, self.stats, self._conn = core.config, core.tokenizer, core.stats, core.conn
+        if self._stopped:  # shut down while it loaded
             self._command(("stop",))
 
+    def _supervise(self) -> None:
+        """Read the core's outputs until its pipe closes; then fail what was in flight, and restart the core if it
+        died and the policy and the restart budget allow it. Returns once the engine is stopped or dead for good."""
+        while True:
+            self._read_outputs()
+            self._process.join(1)
+            died = f"the engine core process exited (exit code {self._process.exitcode})"
+            restart = not self._stopped and self.args.on_engine_core_death == "restart" and \
+                self._restarts.take(time.monotonic())
+            if restart:  # before _core_gone: the engine reads as restarting (503 "loading"), never as dead
+                self._restarting = True
+                self._ready.clear()
+            elif not self._stopped:  # before _core_gone too: whoever sees it dead can say why
+                why = "on_engine_core_death is exit" if self.args.on_engine_core_death == "exit" else \
+                    self._restarts.spent()
+                self.death = f"{died}; not restarted ({why})"
+            if not self._stopped:
+                self.stats = idle(self.stats)  # the process and every KV block it held are gone
+            self._core_gone = True  # a stream registered from now on sees it, one registered before is failed here
+            with self._conn_lock:
+                self._conn.close()
+            if self._stopped:
+                self._fail_all(EngineDeadError("the engine was shut down"))
+                return
+            self._fail_all(EngineDeadError(died + (": restarting it" if restart else "")))
+            if not restart:
+                self._die(self.death)
+                return
+            logger.error("%s: %s (pid %s); restarting it (restart %d of %d allowed within %.0f s)", self.name, died,
+                         self.core_pid, self._restarts.used, self._restarts.limit, RESTART_WINDOW_S)
+            t0 = time.perf_counter()
+            try:
+                with _LOAD_LOCK:
+                    self._attach(start_core_process(self.args, self.config, self.tokenizer))
+            except BaseException as e:  # noqa: BLE001 - the engine is dead: said by is_dead and on_dead
+                self.death = f"{died}, and its restart failed: {e}"
+                self._restarting = False
+                self._die(self.death)
+                return
+            self.num_restarts += 1
+            self._core_gone, self._restarting = False, False
+            self._ready.set()
+            logger.warning("%s: the engine core process restarted in %.1f s (pid %s)", self.name,
+                           time.perf_counter() - t0, self.core_pid)
+
+    def _die(self, why: str) -> None:
+        """The engine is dead for good (`death` says why, set before is_dead turned True): log it, release whoever
+        waits for a restart, and tell on_dead."""
+        self._ready.set()
+        logger.error("%s: %s", self.name, why)
+        if self._on_dead is not None:
+            try:
+                self._on_dead(self)
+            except Exception:  # a reporting callback must not kill the engine thread
+                logger.exception("on_dead callback failed")
+
     def _read_outputs(self) -> None:
-        """The core's process sends one CoreOutputs per turn; on EOF (it died or stopped) every stream fails."""
+        """The core's process sends one CoreOutputs per turn; returns on EOF (it died or stopped)."""
         while True:
             try:
                 out = self._conn.recv()
             except (EOFError, OSError):
-                break
+                return
             self._on_core_outputs(out)
-        self._core_gone = True  # first: a stream registered from now on sees it, one registered before is failed here
-        if not self._stopped:
-            logger.error("the engine core process exited (code %s)", self._process.join(1) or self._process.exitcode)
-        error = EngineDeadError("the engine core process exited")
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Fail every request in flight and every pending call with `error` (after _core_gone is set)."""
         self._on_core_outputs(CoreOutputs(failed=[(rid, error) for rid in list(self._streams)],
                                           results=[(cid, error, None) for cid in list(self._calls)]))
 
@@ -299,7 +400,7 @@ class AsyncLLMEngine:
             if stream is not None:
                 by_loop.setdefault(stream.loop, []).append((stream, error))
         for loop, items in by_loop.items():
-            if not _send(loop, items):  # the callers' event loop is gone: nobody reads these, stop the requests
+            if not push_on_loop(loop, items):  # the callers' event loop is gone: nobody reads these, stop the requests
                 for stream, item in items:
                     if isinstance(item, (RequestOutput, PoolingRequestOutput)) and not item.finished:
                         self.abort(item.request_id)
@@ -307,25 +408,10 @@ class AsyncLLMEngine:
             loop, fut = self._calls.pop(cid, (None, None))
             if loop is not None:
                 try:
-                    loop.call_soon_threadsafe(_settle, fut, error, value)
+                    loop.call_soon_threadsafe(settle, fut, error, value)
                 except RuntimeError:  # the caller's event loop is closed
                     pass
 
 
-def _settle(fut: asyncio.Future, error: BaseException | None, value: Any) -> None:
-    if not fut.done():  # the caller may have given up (cancelled)
-        fut.set_exception(error) if error is not None else fut.set_result(value)
-
-
-def _send(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputStream, EngineOutput | BaseException]]
-          ) -> bool:
-    """Push items into their streams on `loop` (from the engine thread); False when that loop is closed."""
-    def push_all() -> None:
-        for stream, item in items:
-            stream.push(item)
-
-    try:
-        loop.call_soon_threadsafe(push_all)
-    except RuntimeError:
-        return False
-    return True
+def _nothing(engine: LLMEngine) -> None:
+    """A call that does nothing: its answer says the core ran every command sent before it."""

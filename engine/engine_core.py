@@ -108,8 +108,13 @@ class EngineCore:
 # ---- the engine core in a process of its own ---------------------------------------------------------------------
 def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNING) -> None:
     """The child process's entry point: load, report ("ready", the engine's EngineConfig, stats) or ("load_error",
-    error), then run the loop until a stop command or the parent's end of the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the parent, which stops us through the pipe
+    error), then run the loop until a stop command or the parent's end of the pipe closes.
+
+    SIGINT and SIGTERM are ignored: they belong to the parent, which drains its requests and then stops the core
+    through the pipe (a Ctrl-C, or a SIGTERM sent to the whole process group, must not kill requests that the
+    parent's graceful shutdown lets finish). A dead parent closes the pipe, which stops the core too."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine core]: %(message)s")
     try:
         engine = LLMEngine.from_engine_args(args)

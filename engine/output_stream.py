@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 
@@ -57,3 +58,23 @@ class RequestOutputStream:
             raise item
         assert item is not None
         return item
+
+
+def push_on_loop(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestOutputStream, Any]]) -> bool:
+    """Push (stream, output or error) items into their streams on `loop`, from another thread, in one call; False
+    (nothing pushed) when that loop is closed."""
+    def push_all() -> None:
+        for stream, item in items:
+            stream.push(item)
+
+    try:
+        loop.call_soon_threadsafe(push_all)
+    except RuntimeError:
+        return False
+    return True
+
+
+def settle(fut: asyncio.Future, error: BaseException | None, value: Any) -> None:
+    """Give a future its result or error (on its own loop), unless its caller gave up on it already."""
+    if not fut.done():
+        fut.set_exception(error) if error is not None else fut.set_result(value)

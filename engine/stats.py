@@ -3,6 +3,7 @@ EngineStats snapshot that other threads (the /metrics endpoint, the router) read
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -120,3 +121,9 @@ def snapshot(engine: "LLMEngine") -> EngineStats:
         generation_tokens=engine.num_generation_tokens, num_steps=engine.num_steps,
         histograms={name: h.copy() for name, h in lat.histograms.items()},
         request_success=dict(lat.request_success), timestamp=time.time())
+
+
+def idle(stats: EngineStats) -> EngineStats:
+    """`stats` with nothing running or waiting and every block free: what a core process that died left behind."""
+    return dataclasses.replace(stats, num_requests_running=0, num_requests_waiting=0, kv_cache_usage_perc=0.0,
+                               num_free_blocks=stats.num_blocks, timestamp=time.time())

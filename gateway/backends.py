@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
@@ -17,9 +18,9 @@ import anyio
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvgate.engine.async_engine import AsyncLLMEngine
+from kvgate.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from kvgate.engine.outputs import RequestOutput
-from kvgate.gateway.errors import APIError, validation_error
+from kvgate.gateway.errors import APIError, error_body, validation_error
 from kvgate.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from kvgate.gateway.serving import OpenAIServing
 from kvgate.gateway.serving_embedding import OpenAIServingEmbedding, check_endpoint
@@ -29,6 +30,7 @@ from kvgate.gateway.upstream_client import UpstreamError, UpstreamPool
 if TYPE_CHECKING:
     from kvgate.gateway.router import RoutedRequest
 
+logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 FORWARDED_HEADERS = ("x-priority", "x-max-batch-delay-ms", "x-request-id")
 UPSTREAM_PATHS = {"chat": "/chat/completions", "completions": "/completions", "embeddings": "/embeddings"}  # by kind
@@ -37,13 +39,33 @@ UPSTREAM_PATHS = {"chat": "/chat/completions", "completions": "/completions", "e
 class ProxyStream(StreamingResponse):
     """A streamed response that always cleans up: when it ends, fails or the client goes, its iterator is closed
     and the `on_close` callbacks run (close the upstream stream, account the request), even if it never started.
-    `completed` says that every byte was sent; `error` holds what broke the stream, if something did."""
+    `completed` says that every byte was sent; `error` holds what broke the stream, if something did, and
+    `penalize` whether that counts against the deployment's health. With `error_event`, an error raised by the
+    content ends the stream cleanly with the SSE event that `error_event(error)` returns (None: cut it instead)."""
 
     def __init__(self, content: AsyncIterator[bytes | str], media_type: str | None = "text/event-stream",
-                 on_close: list[Callable[["ProxyStream"], Awaitable[None] | None]] | None = None) -> None:
-        super().__init__(content, media_type=media_type, headers=SSE_HEADERS)
+                 on_close: list[Callable[["ProxyStream"], Awaitable[None] | None]] | None = None,
+                 error_event: Callable[[Exception], str | None] | None = None) -> None:
+        super().__init__(content if error_event is None else self._ending_with_errors(content, error_event),
+                         media_type=media_type, headers=SSE_HEADERS)
         self.on_close = on_close or []
-        self.completed, self.error = False, None
+        self.completed, self.error, self.penalize = False, None, True
+
+    async def _ending_with_errors(self, content: AsyncIterator[bytes | str],
+                                  error_event: Callable[[Exception], str | None]) -> AsyncIterator[bytes | str]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except Exception as e:
+            event = error_event(e)
+            if event is None:
+                raise
+            self.error, self.penalize = e, not isinstance(e, EngineDeadError)
+            yield event
+        finally:
+            aclose = getattr(content, "aclose", None)
+            if aclose is not None:  # the client went away: close the content now, not when it is collected
+                await aclose()
 
     async def stream_response(self, send: Any) -> None:
         try:
@@ -51,7 +73,7 @@ class ProxyStream(StreamingResponse):
         except Exception as e:
             self.error = e
             raise
-        self.completed = True
+        self.completed = self.error is None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -74,6 +96,20 @@ class BackendFailure(Exception):
         self.penalize = penalize
 
 
+def engine_error_event(e: Exception) -> str:
+    """The end of an embedded engine's SSE stream that failed after its first byte: an OpenAI-shaped error event
+    (which the OpenAI SDKs raise as an APIError), then [DONE]. The engine died or the server is shutting down:
+    503; anything else: 500, its details left to the log."""
+    if isinstance(e, APIError):
+        body = error_body(e.status, e.message, e.param, e.code)
+    elif isinstance(e, EngineDeadError):
+        body = error_body(503, str(e), None, "engine_unavailable")
+    else:
+        logger.error("stream failed", exc_info=e)
+        body = error_body(500, "internal server error: the stream failed")
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+
+
 class EmbeddedBackend:
     """An AsyncLLMEngine in this process, through OpenAIServing. Its load is read from the engine directly."""
     kind = "embedded"
@@ -93,6 +129,10 @@ class EmbeddedBackend:
     @property
     def dead(self) -> bool:
         return self.engine.is_dead
+
+    @property
+    def restarting(self) -> bool:
+        return self.engine.is_restarting
 
     def load_state(self, now: float) -> LoadState:
         n = self.engine.num_requests  # exact: counted when a request is admitted, on this thread
@@ -118,7 +158,7 @@ class EmbeddedBackend:
             try:
                 result = await self.embedding.create(body, req.priority, req.max_batch_delay)
             except RuntimeError as e:  # the engine is dead (EngineDeadError), or a step failed for this request
-                raise BackendFailure(str(e)) from e
+                raise BackendFailure(str(e), penalize=not isinstance(e, EngineDeadError)) from e
             timing.first_token = time.monotonic()  # the whole answer comes at once
             return JSONResponse(result)
         cls = ChatCompletionRequest if req.kind == "chat" else CompletionRequest
@@ -138,10 +178,10 @@ class EmbeddedBackend:
         try:
             result = await run(parsed, req.priority, req.max_batch_delay, on_output)  # type: ignore[arg-type]
         except RuntimeError as e:  # the engine is dead (EngineDeadError), or a step failed for this request
-            raise BackendFailure(str(e)) from e
+            raise BackendFailure(str(e), penalize=not isinstance(e, EngineDeadError)) from e
         if isinstance(result, dict):
             return JSONResponse(result)
-        return ProxyStream(result)
+        return ProxyStream(result, error_event=engine_error_event)
 
     async def close(self) -> None:
         if self.owned:

@@ -97,13 +97,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import logging
 
-    import uvicorn
-
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
     from kvgate.engine.engine_core import freeze_gc_heap
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
     from kvgate.gateway.app import create_app
     from kvgate.gateway.router_config import build_router
+    from kvgate.gateway.server import GatewayServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -115,23 +114,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else:
                 # the server's heap stays for its lifetime: keep full GC collections (event-loop pauses) short
                 freeze_gc_heap()
-                c, where = engine.config, "its own process" if engine.in_process else "a thread"
+                c = engine.config
+                where = f"its own process (pid {engine.core_pid})" if engine.in_process else "a thread"
                 print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {c.device}, engine core on {where} "
                       f"({engine.stats.num_blocks} KV blocks of {c.args.block_size} tokens)",
                       file=sys.stderr, flush=True)
         return on_loaded
 
+    deaths: list[str] = []  # engines dead for good (their core died, not restarted): the server exits with 1
+    servers: list[GatewayServer] = []
+
+    def on_dead(name: str) -> "Callable[[AsyncLLMEngine], None]":
+        def dead(engine: AsyncLLMEngine) -> None:  # on the engine's thread
+            deaths.append(f"{name}: {engine.death}")
+            if servers:
+                servers[0].request_exit(1, deaths[-1])
+        return dead
+
     def start_engine(name: str, engine_args: AsyncEngineArgs) -> AsyncLLMEngine:
         print(f"[kvgate] {name}: loading {engine_args.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
-        return AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name))  # loads on its own thread
+        return AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name),  # loads on its own thread
+                                               on_dead=on_dead(name))
 
     router = build_router(cfg, engine_factory=start_engine)  # remote deployments, routes, fallbacks included
     app = create_app(router, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, max_queue_len=cfg.max_queue_len)
+    server = GatewayServer(app, router, cfg.host, cfg.port, cfg.shutdown_timeout)
+    servers.append(server)
+    if deaths:  # one died before the server existed
+        server.request_exit(1, deaths[0])
     names = [*router.models, *router.routes]
     print(f"[kvgate] serving {', '.join(names)} on http://{cfg.host}:{cfg.port}/v1 "
           f"(/health answers 503 loading until every model is ready)", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")  # its shutdown stops the engines
-    return 0
+    server.run()  # until SIGTERM / SIGINT (or an engine's death) and the drain; its shutdown stops the engines
+    print(f"[kvgate] stopped (exit status {server.exit_code})", file=sys.stderr, flush=True)
+    return server.exit_code
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -166,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-seed", type=int, default=None)
     add_flags(g.add_argument_group("engine arguments (vLLM's names)"), ENGINE_FLAGS,
-              skip=("engine_core_process", "served_model_name", "scheduler_delay", "max_tokens_default"))
+              skip=("engine_core_process", "on_engine_core_death", "max_engine_core_restarts", "served_model_name",
+                    "scheduler_delay", "max_tokens_default"))
     g.set_defaults(func=cmd_generate)
     c = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory (safetensors + tokenizer)")
     c.add_argument("--input", required=True, help="model.gguf")

@@ -54,8 +54,11 @@ class RouterSpec:
                         choices=tuple(STRATEGIES))
     fallbacks: dict[str, list[str]] = field(default_factory=dict)  # model -> models to try when it is down
     num_retries: int = arg(2, "other deployments tried when one fails before the first byte", ge=0)
-    cooldown_time: float = arg(30.0, "seconds a failed deployment is kept out before a probe", ge=0)
-    health_check_interval: float = arg(10.0, "seconds between health checks of remote deployments", gt=0)
+    cooldown_time: float = arg(5.0, "seconds a failed deployment is kept out before its first probe; while probes "
+                                    "fail, the next comes after twice as long, at most health_check_interval",
+                               ge=0)
+    health_check_interval: float = arg(10.0, "seconds between health checks of every deployment (and the longest "
+                                             "wait between probes of a failed one)", gt=0)
     timeout: float | None = arg(None, "default per-request timeout (seconds) for remote deployments", gt=0)
 
 
@@ -77,6 +80,9 @@ class GatewayConfig:
     api_key: str | None = arg(None, "require this Bearer key on /v1/* (default: $KVGATE_API_KEY, else none)")
     max_body_bytes: int = arg(8 << 20, "larger request bodies get 413", ge=1)
     max_queue_len: int = arg(1024, "waiting requests per model before 429", ge=0)
+    shutdown_timeout: float = arg(25.0, "on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
+                                        "they are aborted; then the engines stop and kvgate exits with status 0 (a "
+                                        "second signal exits at once)", ge=0)
     source: str = ""  # the file it came from ("" without one)
 
 

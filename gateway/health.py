@@ -2,7 +2,12 @@
 
 healthy --(max_fails consecutive failures)--> cooldown --(time passes)--> half_open --(probe ok)--> healthy
                                                  ^---------------------(probe fails)---------------'
-Each cooldown in a row lasts twice the one before (up to max_cooldown_s); a request served well resets that.
+
+The first cooldown lasts `cooldown_s`; the router probes the deployment as soon as it ends. While probes fail,
+the wait before the next one doubles (2, 4, 8 ... times cooldown_s, up to max_cooldown_s) but never exceeds
+`probe_interval_s` (the router's health_check_interval): a deployment that recovers gets traffic again within
+one interval, however long it was down. A passing probe ends the back-off (the next failure starts again at
+cooldown_s), as does a request served well.
 """
 from __future__ import annotations
 
@@ -17,10 +22,11 @@ class Health:
     max_fails: int = 1  # consecutive failures (requests or probes) before a cooldown
     cooldown_s: float = 5.0
     max_cooldown_s: float = 60.0
+    probe_interval_s: float = math.inf  # the longest wait between probes of a failing deployment
     state: str = HEALTHY
     fails: int = 0
-    cooldowns: int = 0  # cooldowns in a row, for the back-off
-    until: float = 0.0  # end of the current cooldown (monotonic seconds)
+    cooldowns: int = 0  # cooldowns in a row since the last passing probe or good request, for the back-off
+    until: float = 0.0  # end of the current cooldown: when the next probe is due (monotonic seconds)
     last_error: str = ""
 
     def available(self) -> bool:
@@ -28,6 +34,7 @@ class Health:
         return self.state == HEALTHY
 
     def due_for_probe(self, now: float) -> bool:
+        """Whether a probe should run now (a cooldown that has ended turns into half_open)."""
         if self.state == COOLDOWN and now >= self.until:
             self.state = HALF_OPEN
         return self.state == HALF_OPEN
@@ -37,19 +44,28 @@ class Health:
         return max(1, math.ceil(self.until - now)) if self.state == COOLDOWN else 1
 
     def on_success(self) -> None:
+        """A request was served well: healthy, and the back-off starts over."""
         self.state, self.fails, self.cooldowns = HEALTHY, 0, 0
 
     def on_probe_ok(self) -> None:
-        """A probe passed: traffic returns; the back-off is kept until a real request succeeds."""
+        """A probe passed: traffic returns at once, and the back-off starts over."""
         if self.state != HEALTHY:
-            self.state, self.fails = HEALTHY, 0
+            self.state, self.fails, self.cooldowns = HEALTHY, 0, 0
 
     def on_failure(self, now: float, error: str) -> None:
+        """A request or a probe failed: count it; at max_fails in a row, or on a failed half-open probe, start a
+        cooldown (see the module's docstring for how long). Failures during a cooldown (requests that were in
+        flight when it went down) change nothing but `last_error`."""
         self.last_error = error
         if self.state == COOLDOWN:
-            return  # requests that were already in flight when it went down do not extend the cooldown
+            return
         self.fails += 1
-        if self.state == HALF_OPEN or self.fails >= self.max_fails:
-            self.until = now + min(self.max_cooldown_s, self.cooldown_s * 2 ** self.cooldowns)
-            self.state, self.fails = COOLDOWN, 0
-            self.cooldowns += 1
+        if self.state == HALF_OPEN:  # its probe failed: back off, but probe again within probe_interval_s
+            wait = min(self.cooldown_s * 2 ** self.cooldowns, self.max_cooldown_s, self.probe_interval_s)
+        elif self.fails >= self.max_fails:
+            wait = min(self.cooldown_s, self.max_cooldown_s)
+        else:
+            return
+        self.until = now + wait
+        self.state, self.fails = COOLDOWN, 0
+        self.cooldowns += 1

@@ -88,4 +88,9 @@ def render_metrics(servings: dict[str, Any], now: float) -> str:
         if s.engine.is_ready and s.engine.config is not None:
             labels = ",".join(f'{k}="{_label(v)}"' for k, v in sorted(config_labels(s.engine.config).items()))
             lines.append(f'{name}{{{labels},model_name="{_label(m)}"}} 1')
+    name = "kvgate:engine_core_restarts"
+    lines += [f"# HELP {name}_total Engine core processes that died and were restarted "
+              "(on_engine_core_death restart).", f"# TYPE {name}_total counter"]
+    lines += [f'{name}_total{{model_name="{_label(m)}"}} {_number(s.engine.num_restarts)}'
+              for m, s in servings.items()]
     return "\n".join(lines) + "\n"

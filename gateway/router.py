@@ -11,104 +11,34 @@
 A request naming a model goes straight to it; the model's strategy picks one of its deployments. A deployment
 that fails before the client got a byte is put into cooldown and the request is retried on another one, then on
 the model's fallbacks; when none is left the client gets a 503 with Retry-After (429 when they are only full).
+An embedded engine's own state (loading, restarting its core, dead) decides whether it takes requests: a request
+that failed because its engine died does not put it into cooldown. Health checks probe every deployment each
+`health_check_interval`, and one in cooldown as soon as its cooldown ends (gateway/health.py).
 """
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from starlette.responses import Response
 
-from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
+from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine, EngineDeadError
 from kvgate.engine.config import EngineArgs
 from kvgate.gateway.backends import BackendFailure, EmbeddedBackend, ProxyStream, RemoteBackend
 from kvgate.gateway.errors import APIError
-from kvgate.gateway.health import Health
+from kvgate.gateway.health import COOLDOWN, Health
+from kvgate.gateway.routed_request import RoutedRequest
 from kvgate.gateway.serving import OpenAIServing
 from kvgate.gateway.strategies import Deployment, RequestTiming, Strategy, estimate, make_strategy
 
+__all__ = ["ModelRouter", "Route", "RouteFunction", "RoutedRequest"]
 logger = logging.getLogger(__name__)
-RouteFunction = Callable[["RoutedRequest"], "Awaitable[str] | str"]
-
-
-@dataclass
-class RoutedRequest:
-    """What a route function sees: the parsed body, headers, priority, and the prompt's token length (`len`)."""
-    kind: str  # "chat" | "completions" | "embeddings"
-    body: dict[str, Any]
-    raw: bytes = b""
-    headers: Mapping[str, str] = field(default_factory=dict)
-    priority: int = 50
-    max_batch_delay: float | None = None
-    count_tokens: Callable[[str], int] | None = field(default=None, repr=False)
-    model: str = ""  # the model asked for; the route function's choice once routed
-    _len: int | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        self.model = self.model or str(self.body.get("model") or "")
-
-    @property
-    def messages(self) -> list[dict] | None:
-        return self.body.get("messages")
-
-    @property
-    def prompt(self) -> Any:
-        """The completion's prompt, or the embedding request's input (the same shapes)."""
-        return self.body.get("input" if self.kind == "embeddings" else "prompt")
-
-    @property
-    def user(self) -> str | None:
-        return self.body.get("user")
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def max_tokens(self) -> int | None:
-        m = self.body.get("max_completion_tokens") or self.body.get("max_tokens")
-        return m if isinstance(m, int) else (16 if self.kind == "completions" and m is None else None)
-
-    def text(self) -> str:
-        """The prompt as text: the messages' contents one after another, or the prompt string(s)."""
-        if self.messages is not None:
-            parts = []
-            for m in self.messages:
-                c = m.get("content") if isinstance(m, dict) else None
-                parts.append(c if isinstance(c, str) else "".join(
-                    p.get("text", "") for p in c if isinstance(p, dict)) if isinstance(c, list) else "")
-            return "\n".join(parts)
-        p = self.prompt
-        return p if isinstance(p, str) else "\n".join(x for x in p if isinstance(x, str)) if isinstance(p, list) else ""
-
-    @property
-    def len(self) -> int:
-        """Prompt length in tokens (the first embedded model's tokenizer, else about 4 bytes per token)."""
-        if self._len is None:
-            p = self.prompt
-            if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
-                self._len = len(p)
-            elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-                self._len = sum(len(x) for x in p)
-            else:
-                text = self.text()
-                self._len = self.count_tokens(text) if self.count_tokens else len(text.encode()) // 4 + 1
-        return self._len
-
-    def prefix_text(self, n: int) -> str:
-        return self.text()[:n]
-
-    def body_for(self, model: str) -> bytes:
-        """The body to send upstream: the client's bytes unchanged unless the model name must change."""
-        if self.raw and self.body.get("model") == model:
-            return self.raw
-        return json.dumps({**self.body, "model": model}, ensure_ascii=False).encode()
+RouteFunction = Callable[[RoutedRequest], "Awaitable[str] | str"]
 
 
 @dataclass
@@ -134,6 +64,7 @@ class ModelRouter:
         self._strategies: dict[tuple[str, str], Strategy] = {}
         self._health_task: asyncio.Task | None = None
         self._count_tokens: Callable[[str], int] | None = None
+        self.closing = False  # the server is shutting down: no request is sent or retried any more
 
     # ---- set-up ---------------------------------------------------------------------------------------------------
     def add_model(self, name: str, target: Any, *, weight: float = 1.0, api_key: str | None = None,
@@ -153,7 +84,8 @@ class ModelRouter:
         added = []
         for t in targets:
             w, backend = self._backend(name, t, weight, api_key, timeout, upstream_model, engine_args)
-            d = Deployment(name, f"{name}#{len(deps)}", backend, w, Health(self.max_fails, self.cooldown_s))
+            health = Health(self.max_fails, self.cooldown_s, probe_interval_s=self.health_check_interval)
+            d = Deployment(name, f"{name}#{len(deps)}", backend, w, health)
             deps.append(d)
             added.append(d)
         return added
@@ -234,6 +166,9 @@ class ModelRouter:
                 continue
             req.model = m
             for _ in range(self.num_retries + 1):
+                if self.closing:
+                    raise APIError(503, "the server is shutting down; retry on another replica", None,
+                                   "server_shutting_down", headers={"Retry-After": "1"})
                 deps = [d for d in self.models[m] if d.name not in tried and self._available(d)]
                 if not deps:
                     break
@@ -297,17 +232,19 @@ class ModelRouter:
             d.stats.in_flight.pop(key, None)
             raise
         if isinstance(resp, ProxyStream):
-            resp.on_close.append(lambda r: self._finished(d, key, r.completed, r.error))
+            resp.on_close.append(lambda r: self._finished(d, key, r.completed, r.error, r.penalize))
         else:
             self._finished(d, key, True, None)
         return resp
 
     @staticmethod
-    def _finished(d: Deployment, key: int, completed: bool, error: BaseException | None) -> None:
+    def _finished(d: Deployment, key: int, completed: bool, error: BaseException | None,
+                  penalize: bool = True) -> None:
         now = time.monotonic()
         if error is not None and not isinstance(error, OSError):  # the deployment broke the stream
             d.stats.end(key, now, ok=False)
-            d.health.on_failure(now, f"stream broken: {error!r}")
+            if penalize:
+                d.health.on_failure(now, f"stream broken: {error!r}")
         elif completed:
             d.stats.end(key, now, ok=True)
             d.health.on_success()
@@ -324,7 +261,8 @@ class ModelRouter:
                     reasons.append(f"{d.name}: the engine is not running")
                     waits.append(30)
                 elif not b.ready:
-                    reasons.append(f"{d.name}: still loading")
+                    restarting = getattr(b, "restarting", False)
+                    reasons.append(f"{d.name}: {'restarting its engine core' if restarting else 'still loading'}")
                     waits.append(5)
                 elif not d.health.available():
                     reasons.append(f"{d.name}: cooling down after: {d.health.last_error[:200]}")
@@ -348,16 +286,19 @@ class ModelRouter:
             self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
 
     async def _health_loop(self) -> None:
+        """Every health_check_interval, probe the deployments that take traffic; and probe one in cooldown as
+        soon as its cooldown ends (health.until), which is never more than an interval after its last probe."""
         last_full: float = float("-inf")
         while True:
             now = time.monotonic()
             full = now - last_full >= self.health_check_interval
-            due = [d for d in self.deployments() if d.backend.ready and (full or d.health.due_for_probe(now))]
+            due = [d for d in self.deployments()
+                   if d.backend.ready and (d.health.due_for_probe(now) or (full and d.health.available()))]
             if full:
                 last_full = now
             if due:
                 await asyncio.gather(*(self.check(d) for d in due))
-            cooling = [d.health.until - time.monotonic() for d in self.deployments() if not d.health.available()]
+            cooling = [d.health.until - time.monotonic() for d in self.deployments() if d.health.state == COOLDOWN]
             await asyncio.sleep(max(0.05, min([last_full + self.health_check_interval - time.monotonic(),
                                                *cooling])))
 
@@ -375,8 +316,30 @@ class ModelRouter:
             d.health.on_probe_ok()
         return True
 
+    # ---- shutdown -------------------------------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        """Requests sent to a deployment and not finished (streams included)."""
+        return sum(len(d.stats.in_flight) for d in self.deployments())
+
+    def abort_all(self, reason: str) -> int:
+        """Stop taking requests, and end every request in flight on an embedded engine: its client gets an error
+        that says `reason` (a stream ends with an error event), and its KV blocks are freed on the engine's next
+        turn. Returns how many were aborted. (Remote relays are left to the HTTP server's own cancellation.)"""
+        self.closing = True
+        error = EngineDeadError(reason)
+        return sum(s.engine.abort_all(error) for s in self.embedded().values())
+
     async def close(self) -> None:
+        """Abort whatever is still in flight, report each embedded engine's final state (requests running, KV
+        blocks in use: both 0 unless something leaked) and stop the engines this router owns."""
         if self._health_task is not None:
             self._health_task.cancel()
             self._health_task = None
+        self.abort_all("the server is shutting down")
+        for name, serving in self.embedded().items():
+            stats = await serving.engine.settled_stats(timeout=5.0)
+            if stats is not None:
+                logger.info("%s: stopping with %d requests running, %d waiting and %d of %d KV blocks in use", name,
+                            stats.num_requests_running, stats.num_requests_waiting,
+                            stats.num_blocks - stats.num_free_blocks, stats.num_blocks)
         await asyncio.gather(*(d.backend.close() for d in self.deployments()), return_exceptions=True)

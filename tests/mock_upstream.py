@@ -50,19 +50,22 @@ class MockUpstream:
         self._ids = itertools.count()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        app = Starlette(routes=[Route("/v1/chat/completions", self.generate, methods=["POST"]),
-                                Route("/v1/completions", self.generate, methods=["POST"]),
-                                Route("/v1/models", self.models), Route("/metrics", self.metrics)])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.app = Starlette(routes=[Route("/v1/chat/completions", self.generate, methods=["POST"]),
+                                     Route("/v1/completions", self.generate, methods=["POST"]),
+                                     Route("/v1/models", self.models), Route("/metrics", self.metrics)])
 
     def start(self) -> "MockUpstream":
+        """Start serving on its port (again, after stop(): a restarted upstream); returns once it listens."""
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
+            assert self.thread.is_alive(), f"the mock upstream {self.name} did not start"
             time.sleep(0.02)
         return self
 
     def stop(self) -> None:
+        """Stop serving: its port refuses connections until start() again."""
         self.server.should_exit = True
         self.thread.join(timeout=10)
 

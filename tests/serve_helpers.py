@@ -6,22 +6,31 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 
 from mock_upstream import free_port
 
 CLI = [sys.executable, "-m", "kvgate.gateway.cli"]
-__all__ = ["CLI", "free_port", "serve", "metric_labels"]
+__all__ = ["CLI", "free_port", "serve", "serve_process", "metric_labels"]
 
 
 @contextlib.contextmanager
 def serve(args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None, cwd: Path | None = None
           ) -> Iterator[tuple[str, list[str]]]:
     """`kvgate serve ARGS` in a subprocess; yields (base URL, /health statuses seen until it said ok)."""
+    with serve_process(args, log_path, port, env, cwd) as (proc, base, statuses):
+        yield base, statuses
+
+
+@contextlib.contextmanager
+def serve_process(args: list[str], log_path: Path, port: int, env: dict[str, str] | None = None,
+                  cwd: Path | None = None, **popen: Any) -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
+    """`kvgate serve ARGS` in a subprocess (Popen keywords in `popen`), once /health said ok; yields (the process,
+    base URL, /health statuses seen until then). Stopped with SIGTERM at the end, unless it has exited already."""
     log = open(log_path, "w")
-    proc = subprocess.Popen([*CLI, "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    proc = subprocess.Popen([*CLI, "serve", *args], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, **popen)
     base = f"http://127.0.0.1:{port}"
     try:
         statuses: list[str] = []
@@ -38,10 +47,11 @@ def serve(args: list[str], log_path: Path, port: int, env: dict[str, str] | None
             assert proc.poll() is None, log_path.read_text()
             time.sleep(0.1)
         assert statuses and statuses[-1] == "ok", log_path.read_text()
-        yield base, statuses
+        yield proc, base, statuses
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.terminate()
+        proc.wait(timeout=60)
         log.close()
 
 

@@ -1,16 +1,22 @@
-"""The engine core in its own process: what only that mode has (a pipe, a child that can die or fail to load).
+"""The engine core in its own process: what only that mode has (a pipe, a child that can die, be restarted or fail to
 Everything both modes share runs in both through the parametrized fixtures of test_async_engine and test_gateway."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+import signal
+import threading
 
 import pytest
 
 from kvgate.engine import SamplingParams
 from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine, EngineDeadError
+from kvgate.engine.core_process import RestartBudget
 from kvgate.engine.sampling_params import RequestOutputKind
 
 LONG = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=400, output_kind=RequestOutputKind.DELTA)
+SHORT = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4)
 
 
 def start(model: str, **kw) -> AsyncLLMEngine:
@@ -47,7 +53,7 @@ def test_calls_cross_the_pipe_and_shutdown_ends_the_process(tiny_llama: str) -> 
 
 
 def test_a_dead_core_process_fails_its_streams_and_the_engine(tiny_llama: str) -> None:
-    eng = start(tiny_llama)
+    eng = start(tiny_llama, on_engine_core_death="exit")
 
     async def main() -> None:
         gen = eng.generate([5, 6, 7], LONG, "doomed")
@@ -61,7 +67,40 @@ def test_a_dead_core_process_fails_its_streams_and_the_engine(tiny_llama: str) -
 
     try:
         asyncio.run(main())
-        assert eng.is_dead and eng.num_requests == 0
+        assert eng.is_dead and eng.num_requests == 0 and "not restarted (on_engine_core_death is exit)" in eng.death
+        assert eng.stats.num_requests_running == 0 and eng.stats.num_free_blocks == eng.stats.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_a_killed_core_process_is_restarted_within_its_budget(tiny_llama: str) -> None:
+    died = threading.Event()
+    eng = AsyncLLMEngine(AsyncEngineArgs(model=tiny_llama, engine_core_process=True, num_gpu_blocks_override=64,
+                                         max_engine_core_restarts=1), on_dead=lambda _: died.set())
+
+    async def main() -> None:
+        await eng.wait_until_ready(timeout=120)
+        gen = eng.generate([5, 6, 7], LONG, "doomed")
+        await gen.__anext__()
+        first = eng.core_pid
+        os.kill(first, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"exited \(exit code -9\): restarting it"):
+            await asyncio.wait_for(gen.__anext__(), timeout=30)
+        assert not eng.is_dead and eng.num_requests == 0
+        outs = [o async for o in eng.generate([5, 6, 7], SHORT, "after")]  # waits for the new core, then served
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+        assert eng.core_pid != first and eng.num_restarts == 1 and eng.is_ready
+        free, total = await eng.call(block_counts)
+        assert free == total == 64
+        os.kill(eng.core_pid, signal.SIGKILL)  # one restart within 60 s is spent: this death is for good
+        assert await asyncio.to_thread(died.wait, 60)
+        assert eng.is_dead and "not restarted (1 restarts within 60 s already)" in eng.death
+        with pytest.raises(EngineDeadError, match="not restarted"):
+            async for _ in eng.generate([5], SHORT, "refused"):
+                pass
+
+    try:
+        asyncio.run(main())
     finally:
         eng.shutdown()
 
@@ -72,5 +111,13 @@ def test_a_load_failure_in_the_core_process_is_reported(tiny_llama: str) -> None
     with pytest.raises(EngineDeadError, match="KV cache budget of 1 bytes holds no block"):
         asyncio.run(eng.wait_until_ready(timeout=120))
     assert eng.is_dead and isinstance(eng.load_error, ValueError)
-    eng._process.join(10)
-    assert not eng._process.is_alive()
+    assert not [p for p in multiprocessing.active_children() if p.name == "kvgate-engine-core"]  # none left
+
+
+def test_the_restart_budget_counts_the_restarts_within_its_window() -> None:
+    budget = RestartBudget(2, window_s=60.0)
+    assert budget.take(0.0) and budget.take(10.0)
+    assert not budget.take(59.0) and budget.used == 2  # refused: nothing counted
+    assert budget.take(60.5) and budget.used == 2  # the first restart has left the window
+    assert budget.spent() == "2 restarts within 60 s already"
+    assert not RestartBudget(0).take(0.0) and RestartBudget(0).spent() == "max_engine_core_restarts is 0"

@@ -217,3 +217,31 @@ def test_model_name_is_rewritten_for_an_upstream_that_serves_another_name(ab) ->
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         client.chat.completions.create(model="m", messages=MSGS, max_tokens=3, extra_body={"x_extra": [1, "é"]})
         assert json.loads(a.bodies_seen[-1]) == {"model": "A", "messages": MSGS, "max_tokens": 3, "x_extra": [1, "é"]}
+
+
+def test_a_restarted_upstream_takes_traffic_again_within_one_health_check_interval(ab) -> None:
+    """B goes away long enough for its back-off to grow well past the health-check interval (7 failed probes:
+    0.1 s doubling would be 12.8 s by now), then comes back: the next probe, due within one interval, lets it in."""
+    a, b = ab
+    interval = 1.0
+    router = fast_router(cooldown_s=0.1, health_check_interval=interval)
+    router.add_model("m", [a.url, b.url])
+    dep_b = router.models["m"][1]
+    with serving(create_app(router)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+        b.stop()
+        try:
+            while dep_b.health.cooldowns < 7:  # every request is served meanwhile (by A, or retried on A)
+                r = client.chat.completions.create(model="m", messages=MSGS, max_tokens=5)
+                assert r.system_fingerprint == "fp_A"
+                time.sleep(0.05)
+            assert not dep_b.health.available() and dep_b.health.until - time.monotonic() <= interval
+        finally:
+            b.start()
+        back_at = time.monotonic()
+        wait_for(dep_b.health.available, "B back after a passing probe")
+        assert time.monotonic() - back_at <= interval + 1.0  # the issue's promise: one interval (+ a probe's trip)
+        served_by_b = b.requests
+        for _ in range(4):  # round robin again: B takes its share at once
+            client.chat.completions.create(model="m", messages=MSGS, max_tokens=5)
+        assert b.requests - served_by_b == 2

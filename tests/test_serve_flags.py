@@ -13,13 +13,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from serve_helpers import CLI, free_port, metric_labels, serve
 from tiny_models import build_tiny_embedding_model
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.gateway.cli import ENGINE_FLAGS, build_parser, main
+from kvgate.gateway.server import GatewayServer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -48,6 +48,8 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "pipeline_parallel_size": (["--pipeline-parallel-size", "1"], "1"),
     "enforce_eager": (["--enforce-eager"], "True"),
     "engine_core_process": (["--engine-core-process"], "True"),
+    "on_engine_core_death": (["--on-engine-core-death", "exit"], "exit"),
+    "max_engine_core_restarts": (["--max-engine-core-restarts", "5"], "5"),
     "served_model_name": (["--served-model-name", "tiny"], "tiny"),
     "runner": (["--runner", "generate"], "generate"),
     "generation_config": (["--generation-config", "vllm"], "vllm"),
@@ -157,7 +159,7 @@ def test_values_the_engine_cannot_serve_exit_2_before_loading(tiny_model_dirs: d
     def started(*args, **kwargs):  # a value that passed the checks would serve forever: fail instead of hanging
         raise AssertionError(f"kvgate serve {' '.join(flags)} got past the checks and started serving")
 
-    monkeypatch.setattr(uvicorn, "run", started)
+    monkeypatch.setattr(GatewayServer, "run", started)
     assert main(["serve", tiny_model_dirs["llama"], *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvgate: error: ") and message in err, err

@@ -170,29 +170,41 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica_unless_overloaded(
 
 
 def test_health_cooldown_half_open_and_back_off() -> None:
-    h = Health(max_fails=2, cooldown_s=1.0, max_cooldown_s=3.0)
+    h = Health(max_fails=2, cooldown_s=1.0, max_cooldown_s=30.0, probe_interval_s=5.0)
     h.on_failure(100.0, "boom")
     assert h.available() and h.state == HEALTHY  # one failure is allowed
     h.on_failure(100.0, "boom")
     assert not h.available() and h.state == COOLDOWN and h.retry_after(100.2) == 1
     assert not h.due_for_probe(100.5)
     assert h.due_for_probe(101.0) and h.state == HALF_OPEN and not h.available()  # waits for its probe
-    h.on_failure(101.0, "probe failed")  # a failed probe: a longer cooldown at once
+    h.on_failure(101.0, "probe failed")  # a failed probe: a longer wait before the next one
     assert h.state == COOLDOWN and h.until == 103.0
     h.on_failure(102.0, "in flight when it went down")  # does not extend it
     assert h.until == 103.0
-    assert h.due_for_probe(103.0)
+    t = 103.0
+    for wait in (4.0, 5.0, 5.0, 5.0):  # the back-off doubles, but probes come at least every probe_interval_s
+        assert h.due_for_probe(t)
+        h.on_failure(t, "probe failed")
+        assert h.until == t + wait
+        t += wait
+    assert h.due_for_probe(t)
+    h.on_probe_ok()  # traffic returns at the first passing probe, whatever the back-off had reached
+    assert h.available() and h.state == HEALTHY
+    h.on_failure(200.0, "x")
+    h.on_failure(200.0, "x")
+    assert h.until == 201.0  # the passing probe ended the back-off: the next cooldown starts over
+    h.due_for_probe(201.0)
+    h.on_failure(201.0, "probe failed")
+    assert h.until == 203.0
+    h.due_for_probe(203.0)
     h.on_probe_ok()
-    assert h.available()
-    h.on_failure(104.0, "x")
-    h.on_failure(104.0, "x")
-    assert h.until == 104.0 + 3.0  # back-off capped at max_cooldown_s
-    h.due_for_probe(107.0)
-    h.on_probe_ok()
-    h.on_success()  # a request served well resets the back-off
-    h.on_failure(110.0, "x")
-    h.on_failure(110.0, "x")
-    assert h.until == 111.0
+    h.on_success()  # a request served well resets it too
+    assert h.cooldowns == 0 and h.fails == 0
+    capped = Health(cooldown_s=1.0, max_cooldown_s=3.0)  # no probe interval: max_cooldown_s caps the back-off
+    for t, wait in ((0.0, 1.0), (1.0, 2.0), (3.0, 3.0), (6.0, 3.0)):
+        capped.due_for_probe(t)
+        capped.on_failure(t, "x")
+        assert capped.until == t + wait
 
 
 def test_routed_request_view() -> None:
