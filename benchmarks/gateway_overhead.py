@@ -46,6 +46,11 @@ def run_gateway(port: int, upstream: str, cpu: int | None) -> None:
     from kvgate.gateway.app import create_app
     from kvgate.gateway.router import ModelRouter
 
+    import logging
+
+    # as under `kvgate serve`: INFO logging, so the access log's line per request is formatted and written (here
+    # to /dev/null) and its cost is in the figures
+    logging.basicConfig(level=logging.INFO, stream=open(os.devnull, "w"))
     router = ModelRouter(strategy="latency")
     router.add_model("mock", upstream)
     uvicorn.run(create_app(router), host="127.0.0.1", port=port, log_level="warning", access_log=False)

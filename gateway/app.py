@@ -16,6 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kvgate.gateway import __version__ as VERSION
+from kvgate.gateway.access_log import AccessRecord, note_request
+from kvgate.gateway.auth import APIKey, KeyRing, RateLimited, bearer
 from kvgate.gateway.backends import EmbeddedBackend
 from kvgate.gateway.errors import APIError, error_response, install_error_handlers
 from kvgate.gateway.json_body import JSONBodyRoute, json_type, parse_json_body
@@ -72,21 +74,36 @@ class GatewayApp(FastAPI):
     ASGI: the hot path (POST /v1/chat/completions, /v1/completions) skips FastAPI's routing and middleware
     layers, which cost about as much as the rest of a relayed request. Everything else is ordinary FastAPI."""
 
-    def configure(self, router: ModelRouter, api_key: str | None, max_body_bytes: int) -> None:
-        """`max_body_bytes` bounds every request body, declared (Content-Length) or sent (chunked)."""
-        self.model_router, self.max_body_bytes = router, max_body_bytes
-        self.auth = f"Bearer {api_key}".encode() if api_key is not None else None
+    def configure(self, router: ModelRouter, keys: KeyRing, max_body_bytes: int, log_requests: bool) -> None:
+        """`keys`: the API keys (none: no key needed) and their limits; `max_body_bytes` bounds every request
+        body, declared (Content-Length) or sent (chunked); `log_requests`: an access-log line per request."""
+        self.model_router, self.keys, self.max_body_bytes = router, keys, max_body_bytes
+        self.log_requests = log_requests
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await super().__call__(scope, receive, send)
+        record = AccessRecord.begin(scope) if self.log_requests else None
+        if record is not None:
+            send = record.capture(send)
+        try:
+            await self.handle(scope, receive, send, record)
+        finally:
+            if record is not None:
+                record.write()
+
+    async def handle(self, scope: dict, receive: Any, send: Any, record: AccessRecord | None) -> None:
+        """Key, size and rate checks, then the generate endpoints here and everything else through FastAPI."""
         path: str = scope["path"]
         headers = dict(scope["headers"])
-        error = None
-        if self.auth is not None and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")) \
-                and headers.get(b"authorization") != self.auth:
-            error = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
-                             "invalid_api_key")
+        error, key = None, None
+        if self.keys and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            key = self.keys.find(bearer(headers.get(b"authorization")))
+            if key is None:
+                error = APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
+                                 "invalid_api_key")
+            elif record is not None:
+                record.key = key.key.name
         size = headers.get(b"content-length", b"")
         if error is None and size.isdigit() and int(size) > self.max_body_bytes:
             error = APIError(413, f"request body of {size.decode()} bytes is over the limit of "
@@ -94,9 +111,18 @@ class GatewayApp(FastAPI):
         kind = GENERATE_PATHS.get(path) if scope["method"] == "POST" else None
         if error is None and kind is None:
             return await super().__call__(scope, self.limited(receive), send)
-        if error is None:
+        if error is None and key is not None:
             try:
-                response = await self.generate(kind, headers, receive)
+                self.keys.admit(key)
+            except RateLimited as e:
+                error = APIError(429, f"{e}; retry after {e.retry_after} s", None, "rate_limit_exceeded",
+                                 headers={"Retry-After": str(e.retry_after)})
+        if error is not None:
+            return await error_response(error)(scope, receive, send)
+        routed: list[RoutedRequest] = []
+        try:
+            try:
+                response = await self.generate(kind, headers, receive, routed)
             except APIError as e:
                 response = error_response(e)
             except ClientGone:
@@ -104,9 +130,12 @@ class GatewayApp(FastAPI):
             except Exception:  # the stack trace goes to the log, never to the client
                 logger.exception("internal error")
                 response = error_response(APIError(500, "internal server error"))
-        else:
-            response = error_response(error)
-        await response(scope, receive, send)
+            await response(scope, receive, send)
+        finally:
+            note_request(record, routed[0] if routed else None)
+            if key is not None:
+                timing = routed[0].timing if routed else None
+                self.keys.release(key, timing.prompt_tokens + timing.output_tokens if timing is not None else 0)
 
     def limited(self, receive: Any) -> Any:
         """`receive` that raises a 413 APIError once the body passes max_body_bytes (gateway/json_body.py's route
@@ -123,7 +152,8 @@ class GatewayApp(FastAPI):
 
         return receive_limited
 
-    async def generate(self, kind: str, raw_headers: dict[bytes, bytes], receive: Any) -> Response:
+    async def generate(self, kind: str, raw_headers: dict[bytes, bytes], receive: Any,
+                       routed: list[RoutedRequest]) -> Response:
         parts, more, size = [], True, 0
         while more:
             message = await receive()
@@ -135,16 +165,20 @@ class GatewayApp(FastAPI):
             if size > self.max_body_bytes:
                 raise APIError(413, f"request body is over the limit of {self.max_body_bytes} bytes")
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw_headers.items()}
-        return await self.serve(kind, b"".join(parts), headers, receive)
+        return await self.serve(kind, b"".join(parts), headers, receive, routed)
 
-    async def serve(self, kind: str, raw: bytes, headers: dict[str, str], receive: Any) -> Response:
-        """One generate request of `kind` from its body bytes: parsed, its priority read, then routed."""
+    async def serve(self, kind: str, raw: bytes, headers: dict[str, str], receive: Any,
+                    routed: list[RoutedRequest] | None = None) -> Response:
+        """One generate request of `kind` from its body bytes: parsed, its priority read, then routed (the
+        RoutedRequest is appended to `routed`, for the access log and the key's token count)."""
         body = parse_json_body(raw)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string (a model's id), got {json_type(model)}", "model")
         req = RoutedRequest(kind, body, raw, headers, request_priority(headers, body.get("priority")),
                             request_batch_delay(headers))
+        if routed is not None:
+            routed.append(req)
         if req.stream:
             return await self.model_router.dispatch(req)
         return await cancel_on_disconnect(receive, self.model_router.dispatch(req))
@@ -178,10 +212,12 @@ async def cancel_on_disconnect(receive: Any, work: Awaitable[Response]) -> Respo
 
 
 def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | None = None,
-               max_body_bytes: int = 8 << 20, max_queue_len: int | None = None) -> FastAPI:
-    """`servings`: a ModelRouter, or {name: OpenAIServing} (one embedded deployment each). `api_key`: Bearer key
-    required on /v1/*, /tokenize and /detokenize; `max_body_bytes`: larger bodies get 413; `max_queue_len`:
-    requests per deployment beyond the running batch before new ones get 429."""
+               max_body_bytes: int = 8 << 20, max_queue_len: int | None = None,
+               api_keys: list[APIKey] | None = None, log_requests: bool = True) -> FastAPI:
+    """`servings`: a ModelRouter, or {name: OpenAIServing} (one embedded deployment each). `api_key` and
+    `api_keys` (with their limits): Bearer keys required on /v1/*, /tokenize and /detokenize (none: no key);
+    `max_body_bytes`: larger bodies get 413; `max_queue_len`: requests per deployment beyond the running batch
+    before new ones get 429; `log_requests`: the access log (gateway/access_log.py)."""
     if isinstance(servings, ModelRouter):
         router = servings
     else:
@@ -201,7 +237,8 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
 
     app = GatewayApp(title="kvgate", version=VERSION, lifespan=lifespan)
     app.router.route_class = JSONBodyRoute  # every FastAPI route parses its JSON body as the hot path does
-    app.configure(router, api_key, max_body_bytes)
+    keys = list(api_keys or []) + ([APIKey("default", api_key)] if api_key is not None else [])
+    app.configure(router, KeyRing(keys), max_body_bytes, log_requests)
     app.state.router = router
     install_error_handlers(app, tuple(GENERATE_PATHS))
 
@@ -309,7 +346,7 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
 
     @app.get("/metrics")
     async def metrics():
-        text = render_metrics(router.embedded(), time.time()) + router_metrics(router)
+        text = render_metrics(router.embedded(), time.time()) + router_metrics(router) + app.keys.metrics()
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app

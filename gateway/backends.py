@@ -160,6 +160,7 @@ class EmbeddedBackend:
             except RuntimeError as e:  # the engine is dead (EngineDeadError), or a step failed for this request
                 raise BackendFailure(str(e), penalize=not isinstance(e, EngineDeadError)) from e
             timing.first_token = time.monotonic()  # the whole answer comes at once
+            timing.prompt_tokens = result["usage"]["prompt_tokens"]
             return JSONResponse(result)
         cls = ChatCompletionRequest if req.kind == "chat" else CompletionRequest
         try:
@@ -169,7 +170,12 @@ class EmbeddedBackend:
         if (field := parsed.unsupported()) is not None:
             raise APIError(400, f"{field!r} is not supported by kvgate yet", field)
 
+        counted: set[str] = set()  # engine requests whose prompt is counted (a completion may have several)
+
         def on_output(out: RequestOutput) -> None:
+            if out.request_id not in counted:  # the exact prompt length replaces the router's estimate
+                timing.prompt_tokens = (timing.prompt_tokens if counted else 0) + len(out.prompt_token_ids or ())
+                counted.add(out.request_id)
             if timing.first_token is None and out.num_completion_tokens:
                 timing.first_token = time.monotonic()
             timing.output_tokens += out.num_completion_tokens
@@ -266,6 +272,7 @@ class RemoteBackend:
                 content = await r.read()
                 check_status(r.status, content, self.base)
                 timing.output_tokens = completion_tokens(content)
+                timing.prompt_tokens = completion_tokens(content, b"prompt_tokens") or timing.prompt_tokens
                 return Response(content, r.status, media_type=r.content_type)
             chunks = r.iter_chunks()
             try:  # the first chunk is read before answering, so that a dead stream can still be retried
@@ -315,9 +322,10 @@ def check_status(status: int, content: bytes, where: str) -> None:
         raise BackendFailure(f"{where} answered {status}: {content[:200]!r}", penalize=status != 429)
 
 
-def completion_tokens(body: bytes) -> int:
-    """usage.completion_tokens of a JSON body, found without parsing the whole body (0 when absent)."""
-    i = body.rfind(b'"completion_tokens"')
+def completion_tokens(body: bytes, field: bytes = b"completion_tokens") -> int:
+    """usage.completion_tokens (or another usage `field`) of a JSON body, found without parsing the whole body
+    (0 when absent)."""
+    i = body.rfind(b'"' + field + b'"')
     if i < 0:
         return 0
     j = body.find(b":", i) + 1

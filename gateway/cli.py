@@ -137,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                on_dead=on_dead(name))
 
     router = build_router(cfg, engine_factory=start_engine)  # remote deployments, routes, fallbacks included
-    app = create_app(router, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, max_queue_len=cfg.max_queue_len)
+    app = create_app(router, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes,
+                     max_queue_len=cfg.max_queue_len, log_requests=not cfg.disable_log_requests)
     server = GatewayServer(app, router, cfg.host, cfg.port, cfg.shutdown_timeout)
     servers.append(server)
     if deaths:  # one died before the server existed

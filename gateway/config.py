@@ -10,20 +10,15 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import typing
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 from urllib.parse import urlparse
 
-import yaml
-
 from kvgate.engine.arg_utils import (DEFAULT_MODEL_NAME, ArgError, ArgSpec, EngineArgs, arg, arg_specs, check_value,
                                      describe)
+from kvgate.gateway.auth import KEY_SPECS, APIKey
 from kvgate.gateway.strategies import STRATEGIES
-
-
-class ConfigError(ValueError):
-    """An invalid config file or flag; the message names the file, the key path and the reason."""
+from kvgate.gateway.yaml_file import ConfigError, read_yaml
 
 
 @dataclass
@@ -77,12 +72,18 @@ class GatewayConfig:
     routes: list[RouteSpec] = field(default_factory=list)
     host: str = arg("127.0.0.1", "address to listen on")
     port: int = arg(8000, "port to listen on", ge=1, le=65535)
-    api_key: str | None = arg(None, "require this Bearer key on /v1/* (default: $KVGATE_API_KEY, else none)")
+    api_key: str | None = arg(None, "require this Bearer key on /v1/* (default: $KVGATE_API_KEY, else none), as the "
+                                    "key named 'default', without limits")
+    api_keys_file: str | None = arg(None, "a YAML file listing API keys with their limits (name, key or key_env, "
+                                          "rpm, tpm, max_concurrent), as config.yaml's api_keys:", metavar="FILE")
+    disable_log_requests: bool = arg(False, "no access-log line per request (method, path, model, status, tokens, "
+                                            "latency; never the prompt)")
     max_body_bytes: int = arg(8 << 20, "larger request bodies get 413", ge=1)
     max_queue_len: int = arg(1024, "waiting requests per model before 429", ge=0)
     shutdown_timeout: float = arg(25.0, "on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
                                         "they are aborted; then the engines stop and kvgate exits with status 0 (a "
                                         "second signal exits at once)", ge=0)
+    api_keys: list[APIKey] = field(default_factory=list)  # from api_keys:, api_keys_file and api_key
     source: str = ""  # the file it came from ("" without one)
 
 
@@ -94,13 +95,14 @@ DEPLOYMENT_SPECS: Specs = arg_specs(DeploymentSpec)
 ROUTE_SPECS: Specs = arg_specs(RouteSpec)
 STRATEGY_SPEC: Specs = {"strategy": ROUTE_SPECS["strategy"]}
 ALIASES = {"max_batch_size": "max_num_seqs"}  # alias -> the name it stands for
-PATH_KEYS = ("model", "tokenizer", "generation_config")  # relative paths in a file are relative to the file
+PATH_KEYS = ("model", "tokenizer", "generation_config", "api_keys_file")  # relative paths in a file are relative to the file
 
-TOP_KEYS = {*ENGINE_SPECS, *SERVE_SPECS, "models", "router", "routes"}
+TOP_KEYS = {*ENGINE_SPECS, *SERVE_SPECS, "models", "router", "routes", "api_keys"}
 MODEL_KEYS = {*ENGINE_SPECS, "name", "deployments", "strategy"} - {"served_model_name"}
 DEPLOYMENT_KEYS = {*ENGINE_SPECS, *DEPLOYMENT_SPECS} - {"served_model_name"}
 ROUTER_KEYS = {*ROUTER_SPECS, "fallbacks"}
 ROUTE_KEYS = {"name", "function", "strategy"}
+API_KEY_KEYS = {"name", *KEY_SPECS}
 HINTS = {"served_model_name": "name each entry of models: with name: instead"}
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -149,6 +151,10 @@ class _Checker:
         if (key == "model" and v == DEFAULT_MODEL_NAME) or (key == "generation_config" and v in ("auto", "vllm")):
             return v
         p = os.path.join(self.base_dir, os.path.expanduser(v))
+        if key == "api_keys_file":
+            if not os.path.isfile(p):
+                self.fail(path, f"no such file: {v!r}" + ("" if p == v else f" (looked for {p})"))
+            return p
         if key == "generation_config":
             if not os.path.isfile(os.path.join(p, "generation_config.json")):
                 self.fail(path, f"must be auto, vllm or a directory holding a generation_config.json, got {v!r}")
@@ -282,6 +288,32 @@ class _Checker:
         return out
 
 
+def _api_keys(c: "_Checker", raw: Any, path: str, seen: dict[str, int], secrets: dict[str, str]) -> list[APIKey]:
+    """The entries of an api_keys: list (name, key or key_env, limits). Messages never hold a key."""
+    out = []
+    for i, entry in enumerate(c.items(raw, path, "each with a name and a key or key_env", empty_ok=True)):
+        p = f"{path}[{i}]"
+        c.keys(c.mapping(entry, p, "name, key or key_env, rpm, tpm, max_concurrent"), API_KEY_KEYS, p)
+        name = c.name(entry, p, "API key", {}, i)
+        if name in seen:
+            c.fail(_join(p, "name"), f"duplicate API key name {name!r}")
+        seen[name] = i
+        opts = c.typed(entry, KEY_SPECS, p)
+        if ("key" in entry) == ("key_env" in entry):
+            c.fail(p, "give either key: or key_env:, not both" if "key" in entry else
+                   "needs key: (the key) or key_env: (an environment variable holding it)")
+        secret = opts.pop("key", None) or os.environ.get(opts["key_env"], "")
+        if not secret:
+            c.fail(_join(p, "key_env" if "key_env" in entry else "key"),
+                   f"the environment variable {opts['key_env']} is not set" if "key_env" in entry else "is empty")
+        if secret in secrets:
+            c.fail(p, f"API keys {secrets[secret]!r} and {name!r} are the same key")
+        secrets[secret] = name
+        opts.pop("key_env", None)
+        out.append(APIKey(name, secret, **opts))
+    return out
+
+
 def parse_config(raw: Any, source: str = "", base_dir: str = "", flags: set[str] | None = None) -> GatewayConfig:
     """A GatewayConfig from the parsed YAML (a dict); ConfigError names the key path (or the flag) and the reason."""
     c = _Checker(source, base_dir)
@@ -307,40 +339,16 @@ def parse_config(raw: Any, source: str = "", base_dir: str = "", flags: set[str]
     names = [m.name for m in models]
     router = c.router(raw.get("router", {}), names)
     routes = c.routes(raw["routes"], names) if "routes" in raw else []
-    return GatewayConfig(models, router, routes, **serve, source=source)
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if not isinstance(key, typing.Hashable):
-            continue  # construct_mapping reports it
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def read_yaml(path: str) -> Any:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the config file {path}: {e}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        raise ConfigError(f"{path}: {where}invalid YAML: {getattr(e, 'problem', None) or e}") from None
+    seen: dict[str, int] = {}
+    secrets: dict[str, str] = {}
+    keys = _api_keys(c, raw.get("api_keys", []), "api_keys", seen, secrets)
+    if serve.get("api_keys_file"):
+        listed = read_yaml(serve["api_keys_file"])
+        listed = listed.get("api_keys") if isinstance(listed, dict) else listed
+        keys += _api_keys(_Checker(serve["api_keys_file"], ""), listed, "api_keys", seen, secrets)
+    if serve.get("api_key"):
+        keys += _api_keys(c, [{"name": "default", "key": serve["api_key"]}], "api_key", seen, secrets)
+    return GatewayConfig(models, router, routes, **serve, api_keys=keys, source=source)
 
 
 def load_config(path: str | None, overrides: dict[str, Any] | None = None) -> GatewayConfig:

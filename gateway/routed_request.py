@@ -20,6 +20,7 @@ class RoutedRequest:
     max_batch_delay: float | None = None
     count_tokens: Callable[[str], int] | None = field(default=None, repr=False)
     model: str = ""  # the model asked for; the route function's choice once routed
+    timing: Any = field(default=None, repr=False)  # the RequestTiming of its last dispatch (the router sets it)
     _len: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -219,7 +219,7 @@ class ModelRouter:
     async def _send(self, d: Deployment, siblings: list[Deployment], req: RoutedRequest) -> Response:
         now = time.monotonic()
         wait = estimate(d, siblings, req, now)[0] if len(self.models[d.model]) > 1 else 0.0  # learn net of queueing
-        timing = RequestTiming(now, req.len, d.load(now), wait)
+        timing = req.timing = RequestTiming(now, req.len, d.load(now), wait)
         key = d.stats.begin(timing)
         try:
             resp = await d.backend.handle(req, timing)

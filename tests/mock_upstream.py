@@ -173,6 +173,25 @@ def serving(app) -> Iterator[str]:
         thread.join(timeout=10)
 
 
+@contextlib.contextmanager
+def serving_engines(engines: dict) -> Iterator[str]:
+    """A gateway on a real uvicorn server routing each name of `engines` (AsyncLLMEngines, loaded first) to its
+    engine; shuts them all down afterwards. Yields the base URL."""
+    from kvgate.gateway.app import create_app
+    from kvgate.gateway.router import ModelRouter
+
+    try:
+        router = ModelRouter()
+        for name, e in engines.items():
+            asyncio.run(e.wait_until_ready(timeout=60))
+            router.add_model(name, e)
+        with serving(create_app(router)) as base:
+            yield base
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
 def route_by_length(request) -> str:
     """A route function for config tests: short prompts to "small", long ones to "big"."""
     return "small" if request.len < 20 else "big"

@@ -11,12 +11,10 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from mock_upstream import serving
+from mock_upstream import serving_engines
 
 from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
-from kvgate.gateway.app import create_app
 from kvgate.gateway.request_group import RequestGroup
-from kvgate.gateway.router import ModelRouter
 
 GEN, BATCHED = "gen", "batched"
 COMPLETIONS = "/v1/completions"
@@ -29,16 +27,8 @@ def gateway(tiny_llama: str) -> Iterator[tuple[str, dict]]:
     common = dict(model=tiny_llama, max_num_seqs=4, num_gpu_blocks_override=64)
     engines = {GEN: AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**common)),
                BATCHED: AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**common, scheduler_delay=1.0))}
-    try:
-        router = ModelRouter()
-        for name, e in engines.items():
-            asyncio.run(e.wait_until_ready(timeout=60))
-            router.add_model(name, e)
-        with serving(create_app(router)) as base:
-            yield base, engines
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    with serving_engines(engines) as base:
+        yield base, engines
 
 
 def send(base: str, body: dict, headers: dict[str, str] | None = None) -> httpx.Response:

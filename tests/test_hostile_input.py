@@ -15,12 +15,10 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
-from mock_upstream import serving
+from mock_upstream import serving_engines
 from tiny_models import build_tiny_embedding_model
 
 from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
-from kvgate.gateway.app import create_app
-from kvgate.gateway.router import ModelRouter
 
 GEN, EMB = "gen", "emb"
 FIVE_MB = "hello world " * 440_000  # 5.28 MB of text
@@ -35,16 +33,8 @@ def gateway(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     engines = {GEN: AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, max_num_seqs=4,
                                                                     num_gpu_blocks_override=64)),
                EMB: AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=emb, num_gpu_blocks_override=32))}
-    try:
-        router = ModelRouter()
-        for name, e in engines.items():
-            asyncio.run(e.wait_until_ready(timeout=60))
-            router.add_model(name, e)
-        with serving(create_app(router)) as base:
-            yield base, engines
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    with serving_engines(engines) as base:
+        yield base, engines
 
 
 def send(base: str, path: str, body: Any, headers: dict[str, str] | None = None, method: str = "POST"

@@ -3,6 +3,7 @@ overriding it), and an invalid config refused before anything loads."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def test_kvgate_serve_config_with_two_models_and_an_embedding_model(tmp_path: Pa
             assert r.choices[0].text == offline  # each name reaches its own model
         text = log.read_text()
         assert "tiny-llama: ready in" in text and "tiny-qwen: ready in" in text  # load progress on stderr
+        assert re.search(r'"POST /v1/completions" 200 model=tiny-qwen key=- prompt_tokens=\d+ completion_tokens=8 '
+                         r'latency_ms=', text), text  # the access log: one line a request, never the prompt
+        assert "The sky is" not in text
 
 
 def test_kvgate_serve_config_with_a_remote_upstream_and_a_route(tmp_path: Path, tiny_model_dirs: dict[str, str]
