@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvgate.engine.structured_output.params import StructuredOutputsParams
+
 
 class RequestOutputKind(Enum):
     CUMULATIVE = 0  # every output carries all text / tokens so far
@@ -32,6 +34,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # guided decoding (engine/structured_output/)
     max_logprobs: int = field(default=20, repr=False)
 
     def __post_init__(self) -> None:
