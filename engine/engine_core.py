@@ -2,9 +2,11 @@
 
 Commands arrive in an inbox queue: ("add", request_id, prompt, params, priority, max_batch_delay, arrival_time),
 where params is a SamplingParams (generate) or a PoolingParams (an embedding, whose output is a
-PoolingRequestOutput), ("abort", request_id), ("call", call_id, fn) and ("stop",). Between commands the loop steps
-the engine, and after each turn that did something it emits one CoreOutputs: the step's outputs, the requests
-that failed (refused input, a failed step), the results of calls and a fresh EngineStats snapshot.
+PoolingRequestOutput), ("abort", request_id), ("call", call_id, fn), ("wake",) (a guided request's grammar finished
+compiling on its worker thread: the loop, idle while only such requests wait, looks again) and ("stop",). Between
+commands the loop steps the engine, and after each turn that did something it emits one CoreOutputs: the step's
+outputs, the requests that failed (refused input, an invalid grammar found by its compilation, a failed step), the
+results of calls and a fresh EngineStats snapshot.
 
 On a thread, `emit` hands CoreOutputs straight to AsyncLLMEngine. In a process of its own (`run_core_process`), a
 reader thread fills the inbox from a pipe and `emit` writes to it: the API process (HTTP, JSON, SSE) and the
@@ -44,14 +46,15 @@ class EngineCore:
         self.emit = emit
         self._stopped = False
         self._pending = CoreOutputs()  # failures and call results of the commands run since the last emit
+        engine.structured_output_manager.on_ready = lambda: inbox.put(("wake",))
 
     def run(self) -> None:
         engine = self.engine
         engine.sleep_when_held = False  # wait on the inbox instead, so new requests join the held batch
         while not self._stopped:
             wake = engine.scheduler.next_wakeup
-            if not engine.has_unfinished_requests():
-                ran = self._drain(timeout=0.5)
+            if not engine.has_unfinished_requests() or engine.only_waiting_for_grammars():
+                ran = self._drain(timeout=0.5)  # a compiled grammar sends ("wake",)
             elif wake is not None:
                 ran = self._drain(timeout=max(0.0, wake - time.monotonic()))
             else:
@@ -64,6 +67,7 @@ class EngineCore:
                 except Exception as e:  # a failed step fails the requests in it, never the loop
                     logger.exception("engine step failed")
                     out.failed += self._fail_all(e)
+                out.failed += engine.take_failed()
             if ran or stepped:
                 out.stats = snapshot(engine)
                 self.emit(out)
@@ -98,6 +102,8 @@ class EngineCore:
                 self._pending.results.append((cmd[1], e, None))
         elif kind == "stop":
             self._stopped = True
+        elif kind == "wake":  # nothing to run: the loop steps next, which schedules the compiled requests
+            pass
 
     def _fail_all(self, error: Exception) -> list[tuple[str, BaseException]]:
         rids = list(self.engine.requests)

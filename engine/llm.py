@@ -83,6 +83,11 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
+            failed = self.engine.take_failed()  # an invalid grammar, found once compiled: the batch fails with it
+            if failed:
+                bar.close()
+                self.engine.abort_request([i for i in ids if i not in done])
+                raise failed[0][1]
         bar.close()
         return [done[i] for i in ids]
 

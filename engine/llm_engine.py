@@ -1,5 +1,7 @@
 """LLMEngine: add_request / abort_request / step over the scheduler, block manager, model runner and sampler (the
-generate runner) or pooler (the pooling runner: embedding models; one runner per engine, EngineConfig.runner)."""
+generate runner) or pooler (the pooling runner: embedding models; one runner per engine, EngineConfig.runner).
+Guided requests (SamplingParams.structured_outputs) wait for their grammar in the StructuredOutputManager
+(engine/structured_output/) before they are scheduled; their sampled rows are masked by it."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +23,8 @@ from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
 from kvgate.engine.stats import LatencyStats
+from kvgate.engine.structured_output import StructuredOutputsParams
+from kvgate.engine.structured_output.manager import StructuredOutputManager
 from kvgate.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -64,6 +68,9 @@ class LLMEngine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = eos
         self.sampler = Sampler(config.model_config.vocab_size, eos)
+        self.structured_output_manager = StructuredOutputManager(self.tokenizer, config.model_config.vocab_size, eos,
+                                                                 config.device, config.max_num_seqs)
+        self.failed: list[tuple[str, BaseException]] = []  # requests that failed after add_request: take_failed()
         self.pooler = Pooler(config.pooler_config or PoolerConfig()) if config.runner == "pooling" else None
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens = 0  # totals, for metrics
@@ -113,6 +120,9 @@ class LLMEngine:
                                  f"has {self.block_manager.num_blocks} and preemption is off: lower max_tokens or n")
         if sp.logprobs is not None and sp.logprobs > self.config.args.max_logprobs:
             raise ValueError(f"logprobs must be <= {self.config.args.max_logprobs}, got {sp.logprobs}")
+        guided = not pooling and sp.structured_outputs is not None
+        if guided:
+            self._check_guided(sp)
         if arrival_time is not None:
             req.arrival_time = arrival_time
         for i in range(sp.n):
@@ -122,9 +132,21 @@ class LLMEngine:
             if sp.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed((sp.seed * 1000003 + i) % 2**63)
             req.seqs.append(seq)
+        if guided and not self.structured_output_manager.add_request(req):  # raises for a spec known to be invalid
+            self.requests[request_id] = req  # waits (WAITING_FOR_FSM) until step() finds its grammar compiled
+            self.num_prompt_tokens += len(ids)
+            return
         self.requests[request_id] = req
         self.num_prompt_tokens += len(ids)
         self.scheduler.add(req.seqs[0])  # the others fork from it once the prompt is computed
+
+    def _check_guided(self, sp: SamplingParams) -> None:
+        if not isinstance(sp.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(sp.structured_outputs).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("guided decoding (structured_outputs) needs the model's tokenizer, and this engine runs "
+                             "without one (skip_tokenizer_init)")
 
     def validate_prompt(self, ids: list[int], pooling: bool = False) -> None:
         """A pooling prompt may fill max_model_len; a generate prompt must leave room for one output token."""
@@ -152,6 +174,8 @@ class LLMEngine:
             for seq in req.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, "abort")
+            if req.sampling_params.structured_outputs is not None:
+                self.structured_output_manager.finish(req)
             self.latency_stats.on_finished(req, time.monotonic(), "abort")
             outs.append(self._make_output(req, force=True))
         return outs
@@ -159,16 +183,32 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def only_waiting_for_grammars(self) -> bool:
+        """Every unfinished request waits for its grammar to compile: a step has nothing to run."""
+        return bool(self.requests) and len(self.structured_output_manager.waiting) == len(self.requests)
+
+    def take_failed(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed since the last call after add_request had taken them (an invalid grammar found by
+        its compilation): (request id, the error, a ValueError naming what is wrong). They are gone from the
+        engine, nothing of them left behind."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        so = self.structured_output_manager
+        if so.waiting:
+            self._release_guided()
         out = self.scheduler.schedule()
         if out.is_empty:
             wake = self.scheduler.next_wakeup
             if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
                 time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+            elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
+                so.wait(0.05)
             return []
         if self.pooler is not None:
             return self._pooling_step(out.scheduled)
@@ -193,7 +233,11 @@ class LLMEngine:
             index.extend([i] * len(targets))
         if not rows:
             return []
-        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows)
+        guide = None
+        if so.active:  # guided rows: fill their masks (on GPU, while the step's kernels run)
+            guide = so.prepare_step(rows, [s.tokens_left(self.max_model_len) if s.grammar is not None else None
+                                           for s in rows])
+        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows, guide)
         touched: dict[str, Request] = {}
         for row, token, lp in zip(rows, result.token_ids, result.logprobs):
             self._append_token(row, token, lp)
@@ -206,8 +250,24 @@ class LLMEngine:
                 outputs.append(o)
             if req.finished:
                 self.requests.pop(req.request_id, None)
+                if req.request_id in so.active:
+                    so.finish(req)
                 self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
+
+    def _release_guided(self) -> None:
+        """Schedule the guided requests whose grammar is now compiled; fail those whose spec was invalid."""
+        ready, failed = self.structured_output_manager.take_ready()
+        for req in ready:
+            if req.request_id in self.requests:
+                self.scheduler.add(req.seqs[0])
+        for req, error in failed:
+            if self.requests.pop(req.request_id, None) is None:
+                continue
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")  # in no queue and holding no block: only marked finished
+            self.num_prompt_tokens -= len(req.prompt_token_ids)
+            self.failed.append((req.request_id, error))
 
     def _pooling_step(self, scheduled: list[tuple[Sequence, int]]) -> list[EngineOutput]:
         """Prefill chunks only: every sequence whose prompt is now computed is pooled and finishes ("stop")."""
@@ -246,7 +306,10 @@ class LLMEngine:
         reason, stop_reason = None, None
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         past_min = num_output >= sp.min_tokens
-        if past_min and not sp.ignore_eos and token in self.eos_token_ids:
+        grammar = seq.grammar
+        if grammar is not None and grammar.finished and token in self.eos_token_ids:
+            reason = "stop"  # the grammar took the stop token where it may end: whatever ignore_eos / min_tokens say
+        elif past_min and not sp.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif past_min and token in sp.stop_token_ids:
             reason, stop_reason = "stop", token
@@ -257,12 +320,14 @@ class LLMEngine:
                 hit = check_stop_strings(seq, len(delta), sp.stop, sp.include_stop_str_in_output)
             if hit is not None:
                 reason, stop_reason = "stop", hit
-        if reason is None and ((sp.max_tokens is not None and num_output >= sp.max_tokens)
-                               or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and grammar is not None and grammar.finished:
+            reason = "stop"  # the document is complete, and only a stop token may follow (or the budget closed it)
+        if reason is None and seq.tokens_left(self.max_model_len) <= 0:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_reason
+            seq.grammar = None
 
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])

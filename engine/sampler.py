@@ -1,11 +1,16 @@
-"""Sampler: penalties, min_tokens, temperature/top-k/top-p/min-p, seeded sampling and logprobs, per row."""
+"""Sampler: the grammar mask of guided rows, penalties, min_tokens, temperature/top-k/top-p/min-p, seeded sampling
+and logprobs, per row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvgate.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from kvgate.engine.structured_output.manager import GrammarStep
 
 
 @dataclass
@@ -20,13 +25,19 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
 
-    def __call__(self, logits: torch.Tensor, rows: list[Sequence]) -> SamplerOutput:
-        """logits: [len(rows), vocab] float32, one row per sequence to extend by one token."""
+    def __call__(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None
+                 ) -> SamplerOutput:
+        """logits: [len(rows), vocab] float32, one row per sequence to extend by one token. `guide` (guided rows):
+        their grammar's mask is applied first, so that penalties, temperature, top-k/p and min-p act on the allowed
+        tokens only, and the sampled tokens are accepted into their matchers (which may replace one: the
+        budget-aware finish). Logprobs are the model's own, from the logits before any of this."""
         logits = logits[:, : self.vocab_size]
         params = [s.request.sampling_params for s in rows]
         want_lp = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
         logits = logits.clone()
+        if guide is not None:
+            guide.apply(logits)
         self._apply_penalties(logits, rows)
         self._apply_min_tokens(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
@@ -39,6 +50,8 @@ class Sampler:
             s = torch.tensor(sampled, device=logits.device)
             tokens[s] = self._sample(logits[s], [rows[i] for i in sampled])
         token_list = tokens.tolist()
+        if guide is not None:
+            token_list = guide.accept(token_list)
         out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for i, p in enumerate(params):
@@ -73,13 +86,18 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[Sequence]) -> None:
+        """Ban stop tokens below min_tokens; in a guided row, never all of what its grammar allows (the grammar
+        wins: a document that may only end here ends here)."""
         for i, seq in enumerate(rows):
             p = seq.request.sampling_params
             if seq.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
                 ids = [t for t in banned if t < logits.shape[1]]
                 if ids:
+                    kept = logits[i, ids].clone() if seq.grammar is not None else None
                     logits[i, ids] = float("-inf")
+                    if kept is not None and not bool(torch.isfinite(logits[i]).any()):
+                        logits[i, ids] = kept
 
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
         params = [s.request.sampling_params for s in rows]

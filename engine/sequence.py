@@ -5,11 +5,15 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvgate.engine.pooling_params import PoolingParams
 from kvgate.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvgate.engine.structured_output.grammar import SequenceGrammar
 
 DEFAULT_PRIORITY = 50
 _seq_ids = itertools.count()
@@ -17,6 +21,7 @@ _seq_ids = itertools.count()
 
 class SequenceStatus(Enum):
     WAITING = auto()
+    WAITING_FOR_FSM = auto()  # a guided request whose grammar is still compiling: in no scheduler queue yet
     RUNNING = auto()
     FINISHED = auto()
 
@@ -72,6 +77,7 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.pooled: torch.Tensor | None = None  # pooling requests: state across prefill chunks (engine/pooler.py)
+        self.grammar: SequenceGrammar | None = None  # guided decoding: this sample's matcher (structured_output/)
         # detokenizer state (engine/detokenizer.py)
         self.text = ""
         self.prefix_offset = 0
@@ -93,6 +99,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def tokens_left(self, max_model_len: int) -> int:
+        """Tokens this sequence may still produce: the fewer of what max_tokens leaves and the room left in
+        max_model_len (0: it is done, "length")."""
+        room = max_model_len - len(self.token_ids)
+        max_tokens = self.request.sampling_params.max_tokens
+        return room if max_tokens is None else min(room, max_tokens - self.num_output_tokens)
 
     @property
     def is_finished(self) -> bool:

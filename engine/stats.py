@@ -111,7 +111,7 @@ def snapshot(engine: "LLMEngine") -> EngineStats:
     """O(running + waiting) work: cheap enough to run after every step."""
     bm, sched, lat = engine.block_manager, engine.scheduler, engine.latency_stats
     running = {s.request.request_id for s in sched.running}
-    waiting = {s.request.request_id for s in sched.waiting} - running
+    waiting = ({s.request.request_id for s in sched.waiting} | set(engine.structured_output_manager.waiting)) - running
     free = bm.num_free_blocks  # every block with ref_count 0 sits in the free queue (cached-free ones too)
     return EngineStats(
         num_requests_running=len(running), num_requests_waiting=len(waiting),

@@ -31,9 +31,15 @@ class StructuredOutputsParams:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str, bool]:
-        """A hashable identity for the compile cache: (kind, spec text, whitespace mode)."""
+        """A hashable identity for the compile cache: (kind, spec text, whitespace mode). A JSON schema is keyed by
+        its canonical text, whether it came as a dict or as JSON text (text that does not parse stays as it is)."""
         kind = self.kind
         spec: Any = getattr(self, kind)
+        if kind == "json" and isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError:
+                pass
         if kind == "json" and not isinstance(spec, str):
             spec = json.dumps(spec, sort_keys=True)
         elif kind == "choice":

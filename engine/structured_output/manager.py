@@ -1,0 +1,266 @@
+"""StructuredOutputManager: the engine's side of guided decoding (vLLM's name).
+
+- Compilation runs on a worker thread (xgrammar releases the GIL while it compiles), never on the engine loop: a
+  guided request waits, out of the scheduler's queues (vLLM's WAITING_FOR_FSM), until its grammar is ready, while
+  every other request keeps stepping. The worker also builds the backend (xgrammar's TokenizerInfo) on first use and
+  searches each new grammar's initial completion (grammar.py).
+- Compiled grammars are cached by StructuredOutputsParams.key(), as are specs found invalid (so that a repeated bad
+  spec fails at once); a request for a spec being compiled waits for that compilation.
+- Each step that samples a guided sequence, `prepare_step` fills a bitmask (one row per sampled row, CPU; pinned on
+  CUDA) and returns a GrammarStep, which the sampler uses to mask the logits on their device (one batched
+  apply_token_bitmask_inplace) and to accept the sampled tokens into the matchers.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from kvgate.engine.sequence import Request, Sequence, SequenceStatus
+from kvgate.engine.structured_output.completion import MAX_COMPLETION_TOKENS, CompletionSearch, improve
+from kvgate.engine.structured_output.grammar import SequenceGrammar
+from kvgate.engine.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+MAX_CACHED_GRAMMARS = 256  # compiled grammars (and refused specs) kept, least recently used dropped first
+MAX_CACHED_BYTES = 512 << 20  # and at most this much of them (a 50-property schema: ~4 MB with a 150k vocabulary)
+BATCH_FILL_MIN_ROWS = 16  # from this many rows a step, masks are filled by xgrammar's threads
+INITIAL_IMPROVE_BUDGET = 20000  # tokens tried to shorten a grammar's initial completion (once, on the worker)
+
+
+@dataclass
+class GrammarStep:
+    """One step's guided rows: what the sampler needs to mask their logits and to accept their tokens."""
+    rows: list[int]  # rows of the step's logits that are guided
+    grammars: list[SequenceGrammar]
+    remaining: list[int]  # tokens each may still produce, this one included
+    bitmask: torch.Tensor  # int32 [>= number of logits rows, ceil(vocab / 32)], CPU; only `rows` are filled
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set every token the grammar forbids to -inf in the guided rows of `logits` ([rows, vocab_size]), on
+        logits' device."""
+        import xgrammar as xgr
+
+        n = logits.shape[0]
+        bitmask = self.bitmask[:n]
+        if logits.device.type != "cpu":
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        every_row = len(self.rows) == n  # (rows are distinct and sorted)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
+                                        indices=None if every_row else self.rows)
+
+    def accept(self, tokens: list[int]) -> list[int]:
+        """Accept each guided row's sampled token into its matcher; returns `tokens` with any token the budget-aware
+        finish replaced (grammar.py)."""
+        for row, grammar, left in zip(self.rows, self.grammars, self.remaining):
+            tokens[row] = grammar.accept(tokens[row], left)
+        return tokens
+
+
+@dataclass
+class _Waiting:
+    request: Request
+    future: concurrent.futures.Future
+
+
+@dataclass
+class StructuredOutputManager:
+    """Owned by LLMEngine; every method runs on the engine thread, except the compilations on its worker."""
+    tokenizer: Any
+    vocab_size: int  # the model's (the logits' width)
+    eos_token_ids: list[int]
+    device: torch.device
+    max_num_seqs: int
+    on_ready: Callable[[], None] | None = None  # called on the worker when a compilation ends (wakes the loop)
+    waiting: dict[str, _Waiting] = field(default_factory=dict)  # request id -> its compilation
+    active: set[str] = field(default_factory=set)  # ids of released guided requests (their sequences have matchers)
+    num_compiles: int = 0  # compilations run (cache hits excluded)
+    num_cache_hits: int = 0
+    _cache: "OrderedDict[tuple, concurrent.futures.Future]" = field(default_factory=OrderedDict)
+    _executor: concurrent.futures.ThreadPoolExecutor | None = None
+    _backend: Any = None  # XgrammarBackend, built by the worker
+    _bitmask: torch.Tensor | None = None
+    _batch_matcher: Any = None
+
+    # ---- requests --------------------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> bool:
+        """Start (or reuse) the compilation of req's grammar. True: it is ready, req's sequences have their matchers
+        and req may be scheduled now; False: req waits (WAITING_FOR_FSM) until take_ready() hands it back. A spec
+        already known to be invalid raises its ValueError here, leaving nothing behind."""
+        params = req.sampling_params.structured_outputs
+        future = self._compilation(params)
+        if future.done():
+            self._attach(req, self._result(params, future))  # raises the compile error
+            return True
+        for seq in req.seqs:
+            seq.status = SequenceStatus.WAITING_FOR_FSM
+        self.waiting[req.request_id] = _Waiting(req, future)
+        return False
+
+    def take_ready(self) -> tuple[list[Request], list[tuple[Request, BaseException]]]:
+        """Requests whose compilation ended since the last call: (ready to schedule, with their matchers), and
+        (failed, with why: a ValueError naming what is wrong with the spec)."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, BaseException]] = []
+        for rid, w in list(self.waiting.items()):
+            if not w.future.done():
+                continue
+            del self.waiting[rid]
+            try:
+                self._attach(w.request, self._result(w.request.sampling_params.structured_outputs, w.future))
+            except Exception as e:  # noqa: BLE001 - reported to that request's caller
+                failed.append((w.request, e))
+                continue
+            ready.append(w.request)
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block up to `timeout` seconds until some waiting request's compilation ends (offline use: nothing else
+        to run meanwhile)."""
+        futures = [w.future for w in self.waiting.values()]
+        if futures:
+            concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def finish(self, req: Request) -> None:
+        """req finished or was aborted: drop its matchers (and its wait: the compilation goes on into the cache)."""
+        self.waiting.pop(req.request_id, None)
+        self.active.discard(req.request_id)
+        for seq in req.seqs:
+            seq.grammar = None
+
+    def _result(self, params: StructuredOutputsParams, future: concurrent.futures.Future) -> Any:
+        """The compiled grammar of a finished compilation; raises its ValueError (the spec is invalid: kept in the
+        cache) or a RuntimeError (an internal failure: dropped from the cache, so that a later request retries)."""
+        try:
+            return future.result()
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            self._cache.pop(params.key(), None)
+            raise RuntimeError(f"compiling the grammar failed: {type(e).__name__}: {e}") from e
+
+    def _attach(self, req: Request, guide: Any) -> None:
+        for seq in req.seqs:
+            seq.grammar = SequenceGrammar(guide, self._backend)
+            seq.status = SequenceStatus.WAITING
+        self.active.add(req.request_id)
+
+    # ---- compilation (the worker) ------------------------------------------------------------------------------
+    def _compilation(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        key = params.key()
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            self.num_cache_hits += 1
+            return future
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-grammar")
+        future = self._executor.submit(self._compile, params)
+        self._cache[key] = future
+        self._evict()
+        if self.on_ready is not None:
+            future.add_done_callback(lambda _: self._wake())
+        return future
+
+    def _evict(self) -> None:
+        """Drop the least recently used finished compilations beyond MAX_CACHED_GRAMMARS or MAX_CACHED_BYTES (a
+        request holding one keeps it alive)."""
+        size = sum(_size(f) for f in self._cache.values())
+        while len(self._cache) > MAX_CACHED_GRAMMARS or size > MAX_CACHED_BYTES:
+            oldest = next(iter(self._cache))
+            if not self._cache[oldest].done():
+                return
+            size -= _size(self._cache.pop(oldest))
+
+    def _wake(self) -> None:
+        try:
+            if self.on_ready is not None:
+                self.on_ready()
+        except Exception:  # pragma: no cover - a wake-up must never break the worker
+            logger.exception("waking the engine loop failed")
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        """On the worker: the backend on first use, the compiled grammar and its initial completion."""
+        backend = self._get_backend()
+        self.num_compiles += 1
+        guide = backend.compile(params)
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(guide.grammar)
+        alphabet = backend.search_alphabet
+        plan = CompletionSearch(matcher, alphabet, MAX_COMPLETION_TOKENS, backend.vocab_size).run()
+        if plan is not None:
+            plan = improve(matcher, alphabet, plan, backend.vocab_size, INITIAL_IMPROVE_BUDGET)
+        guide.initial_completion = plan
+        return guide
+
+    def _get_backend(self) -> Any:
+        if self._backend is None:
+            from kvgate.engine.structured_output.backend import XgrammarBackend
+
+            self._backend = XgrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._backend
+
+    # ---- a step ----------------------------------------------------------------------------------------------------
+    def prepare_step(self, rows: list[Sequence], remaining: list[int | None]) -> GrammarStep | None:
+        """The step's GrammarStep for the sampled `rows` (remaining[i]: tokens rows[i] may still produce, None for
+        an unguided row), its bitmask filled; None when no row is guided."""
+        guided = [i for i, seq in enumerate(rows) if seq.grammar is not None]
+        if not guided:
+            return None
+        bitmask = self._bitmask_rows(len(rows))
+        grammars = [rows[i].grammar for i in guided]
+        left = [remaining[i] for i in guided]
+        free: list[int] = []
+        for i, g, r in zip(guided, grammars, left):
+            forced = g.prepare(r)
+            if forced is None:
+                free.append(i)
+            else:
+                bitmask[i].zero_()
+                bit = forced & 31
+                bitmask[i, forced >> 5] = (1 << bit) - (1 << 32 if bit == 31 else 0)
+        if free:
+            self._fill(rows, free, bitmask)
+        return GrammarStep(guided, grammars, left, bitmask, self.vocab_size)  # type: ignore[arg-type]
+
+    def _fill(self, rows: list[Sequence], free: list[int], bitmask: torch.Tensor) -> None:
+        """The grammar's mask in each row of `free`, narrowed to what keeps the output valid UTF-8
+        (XgrammarBackend.utf8_masks)."""
+        if len(free) >= BATCH_FILL_MIN_ROWS:
+            if self._batch_matcher is None:
+                import xgrammar as xgr
+
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in free], bitmask,
+                                                              free)
+        else:
+            for i in free:
+                rows[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+        valid, after_lead = self._backend.utf8_masks
+        if self._backend.narrow_utf8:  # every row at once: a forced token is valid UTF-8, an unguided row is unused
+            bitmask[: len(rows)] &= valid
+        for i in free:
+            lead = rows[i].grammar.pending_lead
+            if lead is not None:
+                bitmask[i] &= after_lead[lead]
+
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            width = self._backend.bitmask_width
+            rows = max(n, self.max_num_seqs)
+            self._bitmask = torch.empty((rows, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        return self._bitmask
+
+
+def _size(future: concurrent.futures.Future) -> int:
+    """Bytes a cached compilation holds (0 while it runs, or when it failed)."""
+    if not future.done() or future.exception() is not None:
+        return 0
+    return future.result().memory_bytes
