@@ -157,6 +157,14 @@ class EngineArgs:
                                          "holding a generation_config.json", metavar="auto|vllm|DIR")
     max_tokens_default: int | None = arg(None, "max_tokens for a request that gives none, where the generation "
                                                "config sets none (default: up to max_model_len)", ge=1)
+    # the gateway's per-model settings (gateway/chat_tools.py, gateway/chat_output.py); the engine ignores them
+    enable_auto_tool_choice: bool = arg(False, "serve tool_choice auto (the default when a request gives tools): "
+                                               "the model decides, and its output goes through tool_call_parser")
+    tool_call_parser: str | None = arg(None, "the format of the model's tool calls, for tool_choice auto: hermes "
+                                             "(Qwen2.5/3, Hermes, SmolLM2), llama3_json (Llama 3.x), mistral, or a "
+                                             "registered parser", metavar="NAME")
+    reasoning_parser: str | None = arg(None, "splits the model's thinking into reasoning_content: deepseek_r1 "
+                                             "(DeepSeek-R1, QwQ), qwen3, or a registered parser", metavar="NAME")
 
     def create_engine_config(self) -> Any:
         from kvgate.engine.config import EngineConfig
@@ -175,6 +183,9 @@ class EngineArgs:
         if self.pooler_config is not None and self.runner == "generate":
             raise ArgError("pooler_config", "applies to embedding models only (runner pooling), not with runner "
                                             "generate")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ArgError("enable_auto_tool_choice", "needs tool_call_parser (the format of the model's tool calls, "
+                                                      "e.g. hermes)")
         if self.attention_backend is not None:
             from kvgate.kernels.registry import registered_kernels
 

@@ -167,8 +167,8 @@ class EmbeddedBackend:
             parsed = cls.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from None
-        if (field := parsed.unsupported()) is not None:
-            raise APIError(400, f"{field!r} is not supported by kvgate yet", field)
+        if (refused := parsed.unsupported()) is not None:
+            raise APIError(400, refused[1], refused[0])
 
         counted: set[str] = set()  # engine requests whose prompt is counted (a completion may have several)
 

@@ -8,6 +8,7 @@ Relative model paths are relative to the config file's folder."""
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from urllib.parse import urlparse
 from kvgate.engine.arg_utils import (DEFAULT_MODEL_NAME, ArgError, ArgSpec, EngineArgs, arg, arg_specs, check_value,
                                      describe)
 from kvgate.gateway.auth import KEY_SPECS, APIKey
+from kvgate.gateway.chat_output import parser_settings
 from kvgate.gateway.strategies import STRATEGIES
 from kvgate.gateway.yaml_file import ConfigError, read_yaml
 
@@ -83,6 +85,9 @@ class GatewayConfig:
     shutdown_timeout: float = arg(25.0, "on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
                                         "they are aborted; then the engines stop and kvgate exits with status 0 (a "
                                         "second signal exits at once)", ge=0)
+    tool_parser_plugin: str | None = arg(None, "a Python file imported before the models are checked, which "
+                                               "registers tool-call or reasoning parsers of its own (vLLM's flag)",
+                                         metavar="FILE")
     api_keys: list[APIKey] = field(default_factory=list)  # from api_keys:, api_keys_file and api_key
     source: str = ""  # the file it came from ("" without one)
 
@@ -95,7 +100,8 @@ DEPLOYMENT_SPECS: Specs = arg_specs(DeploymentSpec)
 ROUTE_SPECS: Specs = arg_specs(RouteSpec)
 STRATEGY_SPEC: Specs = {"strategy": ROUTE_SPECS["strategy"]}
 ALIASES = {"max_batch_size": "max_num_seqs"}  # alias -> the name it stands for
-PATH_KEYS = ("model", "tokenizer", "generation_config", "api_keys_file")  # relative paths in a file are relative to the file
+# relative paths in a file are relative to the file
+PATH_KEYS = ("model", "tokenizer", "generation_config", "api_keys_file", "tool_parser_plugin")
 
 TOP_KEYS = {*ENGINE_SPECS, *SERVE_SPECS, "models", "router", "routes", "api_keys"}
 MODEL_KEYS = {*ENGINE_SPECS, "name", "deployments", "strategy"} - {"served_model_name"}
@@ -151,7 +157,7 @@ class _Checker:
         if (key == "model" and v == DEFAULT_MODEL_NAME) or (key == "generation_config" and v in ("auto", "vllm")):
             return v
         p = os.path.join(self.base_dir, os.path.expanduser(v))
-        if key == "api_keys_file":
+        if key in ("api_keys_file", "tool_parser_plugin"):
             if not os.path.isfile(p):
                 self.fail(path, f"no such file: {v!r}" + ("" if p == v else f" (looked for {p})"))
             return p
@@ -243,7 +249,9 @@ class _Checker:
         """One embedded engine's args, checked together (EngineArgs.check: the rules between arguments too). A
         failure is reported where the argument it names was set, innermost level first."""
         try:
-            EngineArgs(**args).check()
+            engine_args = EngineArgs(**args)
+            engine_args.check()
+            parser_settings(engine_args)  # the gateway's parsers of this model: registered names
         except ArgError as e:
             keys = (e.name, *(a for a, n in ALIASES.items() if n == e.name))
             path = next((_join(p, k) for p, d in layers for k in keys if k in d), e.name)
@@ -314,6 +322,24 @@ def _api_keys(c: "_Checker", raw: Any, path: str, seen: dict[str, int], secrets:
     return out
 
 
+def _import_plugin(c: "_Checker", path: str) -> None:
+    """Run the parser plugin file once (its @ToolParserManager.register_module / @ReasoningParserManager...
+    decorators register its parsers); a missing or failing file is a ConfigError that says why."""
+    path = os.path.abspath(path)
+    if path in _PLUGINS:
+        return
+    spec = importlib.util.spec_from_file_location(f"kvgate_parser_plugin_{len(_PLUGINS)}", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as e:  # noqa: BLE001 - the user's file: report what it raised
+        c.fail("tool_parser_plugin", f"importing {path} failed: {type(e).__name__}: {e}")
+    _PLUGINS.add(path)
+
+
+_PLUGINS: set[str] = set()  # plugin files already imported (a config is parsed more than once: flags, reloads)
+
+
 def parse_config(raw: Any, source: str = "", base_dir: str = "", flags: set[str] | None = None) -> GatewayConfig:
     """A GatewayConfig from the parsed YAML (a dict); ConfigError names the key path (or the flag) and the reason."""
     c = _Checker(source, base_dir)
@@ -322,6 +348,8 @@ def parse_config(raw: Any, source: str = "", base_dir: str = "", flags: set[str]
     c.keys(raw, TOP_KEYS, "")
     c.top = raw
     serve = c.typed(raw, SERVE_SPECS, "")
+    if serve.get("tool_parser_plugin"):  # before the models: their tool_call_parser may name what it registers
+        _import_plugin(c, serve["tool_parser_plugin"])
     top_engine = c.engine_args(raw, "", exclude=("model", "served_model_name"))
     if "models" in raw:
         k = next((k for k in ("model", "served_model_name") if k in raw), None)

@@ -84,7 +84,7 @@ def validation_error(e: RequestValidationError | ValidationError) -> APIError:
         param = _format_path([p for p in first.get("loc", ()) if p != "body"])
         return APIError(400, f"unsupported field {param!r}: kvgate does not implement it", param)
     top = str(path[0]) if path else None
-    if kind in ("prompt_shape", "stop_shape"):  # messages of our own validators: complete as they are
+    if kind in ("prompt_shape", "stop_shape", "tool_choice_shape"):  # our validators: complete messages
         return APIError(400, first.get("msg", "invalid value"), top)
     got = "" if kind == "missing" else f", got {_show(first.get('input'))}"
     return APIError(400, f"invalid {param or 'request'}: {first.get('msg', 'invalid value')}{got}", param)

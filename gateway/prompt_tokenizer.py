@@ -149,19 +149,23 @@ class PromptTokenizer:
             return [await self._run(len(texts[0]), lambda: self.tokenizer.encode(texts[0]))]
         return await self._run(sum(len(t) for t in texts), lambda: list(self.tokenizer(list(texts))["input_ids"]))
 
-    async def apply_chat_template(self, messages: list[dict[str, str]], what: str = "messages",
+    async def apply_chat_template(self, messages: list[dict[str, Any]], what: str = "messages",
                                   **kwargs: Any) -> list[int]:
-        """The chat template's token ids for `messages` (role, content strings); the contents together are
-        checked with check_size first (a template adds text around them; it does not drop them)."""
+        """The chat template's token ids for `messages` (role, content strings, and tool calls); the contents
+        together are checked with check_size first (a template adds text around them; it does not drop them)."""
         chars = sum(len(m["content"]) for m in messages)
         if self.max_text_bytes is not None and chars * 4 > self.max_text_bytes:
             self.check_size("".join(m["content"] for m in messages), what)
+        # tools and tool calls are re-serialized by templates (not counted above), but their rendering is work too
+        extra = sum(len(json.dumps(m["tool_calls"])) for m in messages if m.get("tool_calls"))
+        if kwargs.get("tools"):
+            extra += len(json.dumps(kwargs["tools"]))
 
         def render() -> list[int]:
             return list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
 
         # the template's own work grows with the number of messages too: many empty ones also go to the thread
-        return await self._run(chars + TEMPLATE_CHARS_PER_MESSAGE * len(messages), render)
+        return await self._run(chars + extra + TEMPLATE_CHARS_PER_MESSAGE * len(messages), render)
 
     @staticmethod
     async def _run(chars: int, fn: Callable[[], T]) -> T:

@@ -6,13 +6,15 @@ number. These models are the ones the embedded backend validates with, and the o
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import json
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StrictBool, StrictInt, ValidationInfo
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
+from kvgate.engine.structured_output.params import StructuredOutputsParams
 
 def as_int(value: Any) -> Any:
     """`value` as an int where it is a JSON integer (an int that is not a bool, or a float without a fraction);
@@ -68,9 +70,27 @@ Unsupported = SkipJsonSchema[Any]  # fields of OpenAI's API refused unless empty
 PromptInput = Annotated[str | list[str] | list[StrictInt] | list[list[StrictInt]], BeforeValidator(_prompt_shape)]
 Stop = Annotated[str | list[str] | None, BeforeValidator(_stop_shape)]
 
-# fields of the OpenAI API that kvgate does not implement yet: a 400 that names them, never a silent drop
-UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix", "audio",
-                      "modalities", "prediction", "parallel_tool_calls", "web_search_options")
+# fields of the OpenAI API that kvgate does not implement: a 400 that names them, never a silent drop
+UNSUPPORTED_FIELDS = ("functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction",
+                      "web_search_options")
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # chat's, refused on /v1/completions
+UNSUPPORTED_WHY = {"functions": "use tools", "function_call": "use tool_choice",
+                   **{k: "tool calling is served on /v1/chat/completions" for k in TOOL_FIELDS}}
+TOOL_CHOICES = 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": NAME}}'
+
+
+def _tool_choice_shape(value: Any) -> Any:
+    """OpenAI's tool_choice shapes, else a 400 that lists them."""
+    if value is None or value in ("none", "auto", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and set(value) <= {"type", "function"}:
+        f = value.get("function")
+        if isinstance(f, dict) and set(f) == {"name"} and isinstance(f["name"], str):
+            return value
+    raise PydanticCustomError("tool_choice_shape", TOOL_CHOICES + ", got {got}",
+                              {"got": json.dumps(value)[:80] if isinstance(value, (str, int, float)) else
+                               "an object" if isinstance(value, dict) else "an array" if isinstance(value, list)
+                               else "null"})
 
 
 class StreamOptions(BaseModel):
@@ -87,11 +107,28 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends the JSON text; an object is taken too
+
+
+class ToolCallParam(BaseModel):
+    """A call in an assistant message of the history."""
+    model_config = ConfigDict(extra="forbid")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages: the calls the model made
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+    reasoning_content: str | None = None  # assistant messages: what a reasoning parser split off (templates may use it)
 
     def text(self, index: int = 0) -> str:
         """The content as one string; ValueError (naming the part) for a part kvgate's text models cannot read."""
@@ -103,6 +140,62 @@ class ChatMessage(BaseModel):
                                      f"read only {{\"type\": \"text\", \"text\": ...}} content parts")
             return "".join(p.text for p in self.content)  # type: ignore[misc]
         return self.content or ""
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: no arguments)
+    strict: Bool | None = None
+
+
+class ChatCompletionToolsParam(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam | None,
+                       BeforeValidator(_tool_choice_shape)]
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, json_object (any JSON object) or json_schema (a JSON schema)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` field: exactly one of json (a JSON schema), regex, choice, grammar (EBNF),
+    json_object; disable_any_whitespace (default true) keeps generated JSON compact."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: Bool | None = None
+    disable_any_whitespace: Bool | None = None
 
 
 class _Common(BaseModel):
@@ -130,29 +223,38 @@ class _Common(BaseModel):
     stop_token_ids: list[Annotated[Int, Field(json_schema_extra={"minimum": 0})]] | None = None
     skip_special_tokens: Bool = True
     include_stop_str_in_output: Bool = False
+    # structured outputs (gateway/structured_outputs.py): OpenAI's response_format, vLLM's guided_* and
+    # structured_outputs; at most one of them per request
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # accepted and ignored: they do not change what is generated
     store: Bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    response_format: dict[str, Any] | None = None
     # rejected with a clear message (see UNSUPPORTED_FIELDS)
-    tools: Unsupported = None
-    tool_choice: Unsupported = None
     functions: Unsupported = None
     function_call: Unsupported = None
     logit_bias: Unsupported = None
-    parallel_tool_calls: Unsupported = None
 
-    def unsupported(self) -> str | None:
-        for name in UNSUPPORTED_FIELDS:
+    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, message) for the first field of `refused` this request sets, else None."""
+        for name in self.refused:
             if getattr(self, name, None) not in (None, [], {}):
-                return name
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format"
+                why = UNSUPPORTED_WHY.get(name)
+                return name, f"{name!r} is not supported by kvgate" + (f" ({why})" if why else "")
         return None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any]) -> SamplingParams:
-        """`defaults` (the model's generation config) fill in the sampling fields this request left out."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any],
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
+        """`defaults` (the model's generation config) fill in the sampling fields this request left out;
+        `structured_outputs` and `skip_special_tokens` (where not None) are the serving's decisions."""
         def pick(name: str, fallback: float) -> Any:
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
@@ -163,8 +265,9 @@ class _Common(BaseModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=pick("repetition_penalty", 1.0), logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            output_kind=RequestOutputKind.DELTA)
+            skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output, output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured_outputs)
 
 
 class ChatCompletionRequest(_Common):
@@ -175,13 +278,18 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Int | None = doc(None, minimum=0, maximum=20)
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # tool calling (gateway/chat_tools.py); without tool_choice, "auto" when tools are given, else "none"
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: Bool | None = None  # None: true (OpenAI's default)
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults)
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any], **decided: Any) -> SamplingParams:
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, defaults,
+                                    **decided)
 
 
 class CompletionRequest(_Common):
@@ -192,13 +300,17 @@ class CompletionRequest(_Common):
     logprobs: Int | None = doc(None, minimum=0, maximum=20)
     best_of: Int | None = doc(None, minimum=1)
     suffix: Unsupported = None
+    tools: Unsupported = None
+    tool_choice: Unsupported = None
+    parallel_tool_calls: Unsupported = None
+    refused: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS + TOOL_FIELDS
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
-        return self.sampling_params(max_tokens, self.logprobs, defaults)
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any], **decided: Any) -> SamplingParams:
+        return self.sampling_params(max_tokens, self.logprobs, defaults, **decided)
 
     def prompts(self) -> list[str | list[int]]:
         return one_by_one(self.prompt)

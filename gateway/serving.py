@@ -6,6 +6,7 @@ both APIs, which differ only in how a choice looks.
 """
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -14,11 +15,14 @@ from typing import Any, AsyncIterable, AsyncIterator, Awaitable, Callable
 from kvgate.engine.async_engine import AsyncLLMEngine
 from kvgate.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvgate.engine.sampling_params import SamplingParams
+from kvgate.gateway.chat_output import ChatOutputParser, message_of, parser_settings
+from kvgate.gateway.chat_tools import ToolPlan, plan_tools, template_messages
 from kvgate.gateway.errors import APIError
 from kvgate.gateway.prompt_tokenizer import PromptTokenizer
 from kvgate.gateway.protocol import PROMPT_SHAPES, ChatCompletionRequest, CompletionRequest
 from kvgate.gateway.request_group import RequestGroup
 from kvgate.gateway.serving_stream import ChunkTemplate, StreamSpec, sse, stream_chunks, usage
+from kvgate.gateway.structured_outputs import structured_outputs_of
 
 __all__ = ["OpenAIServing", "ChunkTemplate", "sse", "usage", "MAX_PROMPTS"]
 OnOutput = Callable[[RequestOutput], None]
@@ -26,7 +30,7 @@ OPENAI_COMPLETIONS_MAX_TOKENS = 16  # /v1/completions' default max_tokens in Ope
 MAX_PROMPTS = 2048  # prompts of /v1/completions and inputs of /v1/embeddings per request (OpenAI's input limit)
 # chat_template_kwargs a client may not set: they would change what the server does, not what the template says
 RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "return_dict", "return_tensors", "conversation",
-                            "messages", "add_generation_prompt", "tokenizer_kwargs", "continue_final_message")
+                            "messages", "add_generation_prompt", "tokenizer_kwargs", "continue_final_message", "tools")
 
 
 @dataclass
@@ -81,13 +85,15 @@ class Running:
 
 
 class OpenAIServing:
-    """One served model: its engine, tokenizer and limits."""
+    """One served model: its engine, tokenizer and limits, and its tool-call and reasoning parsers (from the engine's
+    args: enable_auto_tool_choice, tool_call_parser, reasoning_parser; ValueError for a name not registered)."""
 
     def __init__(self, name: str, engine: AsyncLLMEngine) -> None:
         self.name = name
         self.engine = engine
         self.created = int(time.time())
         self._prompt_tokenizer: PromptTokenizer | None = None
+        self.parsers = parser_settings(getattr(engine, "args", None))
 
     @property
     def tokenizer(self):
@@ -117,19 +123,18 @@ class OpenAIServing:
             raise APIError(400, f"this model is served without a tokenizer (skip_tokenizer_init): send token ids as "
                                 f"{what}", what)
 
-    async def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """The conversation's token ids through the chat template (checked against the byte bound first, rendered
-        off the event loop when long); a 400 for a template that refuses the conversation."""
-        try:
-            messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(i)}
-                        for i, m in enumerate(req.messages)]
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+    async def chat_prompt(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+        """The conversation's token ids through the chat template, with `tools` (the template's `tools=`; None:
+        none) (checked against the byte bound first, rendered off the event loop when long); a 400 for a template
+        that refuses the conversation."""
+        messages = template_messages(req.messages)
         self._need_tokenizer("prompt (use /v1/completions)")
-        kwargs = req.chat_template_kwargs or {}
+        kwargs = dict(req.chat_template_kwargs or {})
         if reserved := [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}: only variables the "
                                 f"template reads", "chat_template_kwargs")
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
             return await self.prompt_tokenizer.apply_chat_template(
                 messages, "messages", add_generation_prompt=req.add_generation_prompt, **kwargs)
@@ -191,9 +196,10 @@ class OpenAIServing:
             or fallback
         return room if default is None else min(default, room)
 
-    def sampling(self, req: Any, max_tokens: int) -> SamplingParams:
+    def sampling(self, req: Any, max_tokens: int, **decided: Any) -> SamplingParams:
+        """The request's SamplingParams; `decided`: the serving's structured_outputs and skip_special_tokens."""
         try:
-            return req.to_sampling_params(max_tokens, self.default_sampling_params)
+            return req.to_sampling_params(max_tokens, self.default_sampling_params, **decided)
         except ValueError as e:
             msg = str(e)
             raise APIError(400, msg, msg.split(" ", 1)[0]) from e
@@ -237,23 +243,44 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, priority: int, delay: float | None,
                    on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
         """`on_output` sees every engine output (the router learns TTFT and token rates from them)."""
-        prompt = await self.chat_prompt(req)
+        tools = plan_tools(req, self.parsers.tool_parser, self.parsers.enable_auto_tool_choice)
+        guided = structured_outputs_of(req)
+        if guided is not None and tools.structured_outputs is not None:
+            raise APIError(400, f"tool_choice {tools.mode} and the request's output constraint (response_format, "
+                                "guided_*, structured_outputs) cannot both apply: give one", "tool_choice")
+        prompt = await self.chat_prompt(req, tools.template_tools)
         max_tokens = self.check_length(len(prompt), req.requested_max_tokens, "messages")
-        sp = self.sampling(req, max_tokens)
+        keep_special = tools.parser is not None and tools.parser.keep_special_tokens
+        sp = self.sampling(req, max_tokens, structured_outputs=guided or tools.structured_outputs,
+                           skip_special_tokens=False if keep_special else None)
+        reader = self._output_reader(tools, sp.structured_outputs is None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         run = await self._start([prompt], [sp], rid, priority, delay, on_output)
         top = req.top_logprobs or 0
         if req.stream:
+            readers: dict[int, ChatOutputParser] = {}
+
             def choice(index: int, _: int, o: CompletionOutput) -> dict | None:
-                if not o.text and o.finish_reason is None:  # tokens whose text is held back: nothing to send yet
-                    return None
+                finish = o.finish_reason
+                if reader is None:
+                    if not o.text and finish is None:  # tokens whose text is held back: nothing to send yet
+                        return None
+                    delta = {"content": o.text} if o.text else {}
+                else:
+                    r = readers.get(index) or readers.setdefault(index, reader())
+                    parsed = r.feed(o.text)
+                    if finish is not None:
+                        parsed.add(r.finish())
+                        finish = r.finish_reason(finish)
+                    if not parsed and finish is None and not (req.logprobs and o.token_ids):
+                        return None
+                    delta = parsed.to_openai()
                 lp = {"content": self._chat_logprobs(o.logprobs or [], o.token_ids, top)} if req.logprobs else None
-                return {"index": index, "delta": {"content": o.text} if o.text else {}, "logprobs": lp,
-                        "finish_reason": o.finish_reason}
+                return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
             plain = {"index": 0, "delta": {"content": ChunkTemplate.MARK}, "logprobs": None, "finish_reason": None}
             spec = StreamSpec(rid, "chat.completion.chunk", self.name, req.n, len(prompt), self._include_usage(req),
-                              choice, plain if req.n == 1 and not req.logprobs else None,
+                              choice, plain if req.n == 1 and not req.logprobs and reader is None else None,
                               [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(req.n)])
             return stream_chunks(spec, run.first, run.outs, run.close)
@@ -261,25 +288,41 @@ class OpenAIServing:
         choices = []
         for i in range(req.n):
             s = samples.get(i, Sample())
-            choices.append({"index": i, "message": {"role": "assistant", "content": s.text},
+            message, finish = {"role": "assistant", "content": s.text}, s.finish_reason
+            if reader is not None:
+                r = reader()
+                message = message_of(r.parse(s.text), self.parsers.reasoning_parser is not None)
+                finish = r.finish_reason(finish)
+            choices.append({"index": i, "message": message,
                             "logprobs": {"content": self._chat_logprobs(s.logprobs, s.token_ids, top)}
-                            if req.logprobs else None, "finish_reason": s.finish_reason})
+                            if req.logprobs else None, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
                 "choices": choices, "usage": usage(len(prompt), sum(len(s.token_ids) for s in samples.values()))}
+
+    def _output_reader(self, tools: ToolPlan, free: bool) -> Callable[[], ChatOutputParser] | None:
+        """A factory of per-choice output parsers, or None when the output is content as it is. The reasoning
+        parser reads only `free` output: a guided one is constrained from its first token, so it holds no thinking."""
+        reasoning = self.parsers.reasoning_parser if free else None
+        if reasoning is None and tools.mode == "none":
+            return None
+        tokenizer = self.tokenizer
+        return lambda: ChatOutputParser(reasoning(tokenizer) if reasoning is not None else None,
+                                        tools.output_parser(tokenizer))
 
     async def completions(self, req: CompletionRequest, priority: int, delay: float | None,
                           on_output: OnOutput | None = None) -> dict | AsyncIterator[str]:
         """Every prompt of the request runs at once; choices are numbered prompt index * n + sample index."""
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
+        guided = structured_outputs_of(req)
         prompts = await self.input_ids(req.prompts(), "prompt")
         if req.echo:
             self._need_tokenizer("prompt (echo needs one to show the prompt's text)")
         sps = []  # one each: the engine owns a request's params
         for k, p in enumerate(prompts):
             what = "prompt" if len(prompts) == 1 else f"prompt[{k}]"
-            sps.append(self.sampling(req, self.check_length(len(p), req.max_tokens, what,
-                                                            OPENAI_COMPLETIONS_MAX_TOKENS)))
+            max_tokens = self.check_length(len(p), req.max_tokens, what, OPENAI_COMPLETIONS_MAX_TOKENS)
+            sps.append(self.sampling(req, max_tokens, structured_outputs=copy.copy(guided)))
         rid = f"cmpl-{uuid.uuid4().hex}"
         run = await self._start(prompts, sps, rid, priority, delay, on_output)
         n, top = req.n, req.logprobs or 0

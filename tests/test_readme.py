@@ -29,7 +29,8 @@ def run_python(code: str) -> str:
 
 def test_the_serve_examples_answer_paris_within_their_max_tokens(tmp_path: Path) -> None:
     (curl,) = blocks("bash", "curl http://127.0.0.1:8000/v1/chat/completions")
-    (client,) = blocks("python", "client.chat.completions.create")
+    (client,) = blocks("python", "stream = client.chat.completions.create")
+    (tools,) = blocks("python", "tool_choice=")
     port = free_port()
     with serve(["--port", str(port)], tmp_path / "serve.log", port):
         def at_port(text: str) -> str:
@@ -42,6 +43,9 @@ def test_the_serve_examples_answer_paris_within_their_max_tokens(tmp_path: Path)
         assert "Paris" in answer["choices"][0]["message"]["content"]
         assert answer["choices"][0]["finish_reason"] == "stop", answer  # done before its max_tokens
         assert "Paris" in run_python(at_port(client))
+        call, answer = run_python(at_port(tools)).splitlines()
+        assert "name='get_weather'" in call and "arguments='{\"city\":" in call, call  # compact JSON
+        assert set(json.loads(answer)) == {"country", "capital"}, answer
 
 
 def test_the_offline_examples_answer_paris() -> None:

@@ -54,6 +54,9 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "runner": (["--runner", "generate"], "generate"),
     "generation_config": (["--generation-config", "vllm"], "vllm"),
     "max_tokens_default": (["--max-tokens-default", "9"], "9"),
+    "enable_auto_tool_choice": (["--enable-auto-tool-choice"], "True"),
+    "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
+    "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
 }
 NOT_IN_THIS_RUN = {  # arguments the run above cannot also set, each covered elsewhere
     "model": "the positional MODEL sets it (this test)",
@@ -151,6 +154,11 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path: Path, tin
     (["--port", "0"], "--port: must be in [1, 65535], got 0"),
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization: must be in (0, 1], got 0.0"),
     (["--max-model-len", "1"], "--max-model-len: must be >= 2, got 1"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser: must be a registered tool-call parser (hermes, llama3_json, "
+                                     "mistral), got 'nope'"),
+    (["--reasoning-parser", "r2"], "--reasoning-parser: must be a registered reasoning parser (deepseek_r1, qwen3), "
+                                   "got 'r2'"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice: needs tool_call_parser"),
 ])
 def test_values_the_engine_cannot_serve_exit_2_before_loading(tiny_model_dirs: dict[str, str], capsys, monkeypatch,
                                                               flags: list[str], message: str) -> None:
