@@ -52,7 +52,7 @@ def in_plugin_dir() -> Iterator[Path]:
 
 
 class Gateways:
-    """The running kvgate gateways (main, auth, busy, embed: see kvgate_server.py) and what their engines
+    """The running kvgate gateways (main, auth, busy, embed, tools: see kvgate_server.py) and what their engines
     recorded."""
 
     def __init__(self, urls: dict[str, str], record: Path) -> None:

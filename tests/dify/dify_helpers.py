@@ -9,7 +9,13 @@ from typing import Any
 
 import httpx
 from dify_plugin.entities.model.llm import LLMResultChunk, LLMUsage
-from dify_plugin.entities.model.message import PromptMessage, SystemPromptMessage, UserPromptMessage
+from dify_plugin.entities.model.message import (
+    AssistantPromptMessage,
+    PromptMessage,
+    PromptMessageTool,
+    SystemPromptMessage,
+    UserPromptMessage,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN_DIR = REPO / "dify_plugin"
@@ -17,6 +23,19 @@ MODEL = "tiny"  # the name kvgate_server.py serves the tiny model under
 EMBED_MODEL = "tiny-embed"  # the name its embed gateway serves the tiny embedding model under
 CONTEXT = 512  # the tiny models' context length
 EMBED_WINDOW_MS = 100  # the embedding tests' batching window: every input of a request shares one engine step
+TOOLS_MODEL = "tiny-tools"  # the tools gateway's model: a tools chat template, hermes tool-call parser
+THINK_MODEL = "tiny-think"  # the same engine with a reasoning parser (deepseek_r1) as well
+TOOLS_CONTEXT = 2048  # the tool model's context length
+# Dify tools whose arguments guided decoding keeps short (an enum, a bounded pattern): tests/tool_helpers.py's
+WEATHER = PromptMessageTool(name="get_weather", description="The current weather in a city", parameters={
+    "type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False})
+TIME = PromptMessageTool(name="get_time", description="The time in a time zone", parameters={
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False})
+TOOLS = [WEATHER, TIME]
+GUIDED_MAX_TOKENS = 400  # the tiny tokenizer spends a token on every character or two of JSON
 
 
 def credentials(url: str, **overrides: Any) -> dict[str, str]:
@@ -25,6 +44,14 @@ def credentials(url: str, **overrides: Any) -> dict[str, str]:
             "timeout": "60", "max_batch_delay": "50", "priority": "50"}
     form.update({k: str(v) for k, v in overrides.items()})
     return form
+
+
+def tools_credentials(url: str, **overrides: Any) -> dict[str, str]:
+    """A tool-calling model's credentials: function calling (several calls per turn), streamed tool calls and
+    structured output on, as an admin sets them for a model kvgate serves with a tool-call parser."""
+    form = {"context_size": TOOLS_CONTEXT, "max_tokens_to_sample": 1024, "function_calling_type": "tool_call",
+            "stream_function_calling": "supported", "structured_output_support": "supported"}
+    return credentials(url, **{**form, **overrides})
 
 
 def embedding_credentials(url: str, **overrides: Any) -> dict[str, str]:
@@ -70,3 +97,8 @@ def joined(chunks: Iterable[LLMResultChunk]) -> tuple[str, LLMUsage | None, str 
     chunks = list(chunks)
     text = "".join(c.delta.message.content or "" for c in chunks)
     return text, chunks[-1].delta.usage, chunks[-1].delta.finish_reason, len(chunks)
+
+
+def tool_calls(chunks: Iterable[LLMResultChunk]) -> list[AssistantPromptMessage.ToolCall]:
+    """Every tool call the chunks carry, in order (Dify's agent runs each one it finds in a chunk)."""
+    return [call for c in chunks for call in c.delta.message.tool_calls]

@@ -30,7 +30,9 @@ def test_the_provider_offers_llm_and_text_embedding(registration: Any) -> None:
 
 
 @pytest.mark.parametrize("model_type, own, required", [
-    (ModelType.LLM, {"mode", "max_tokens_to_sample"}, {"vllm_endpoint", "context_size", "max_tokens_to_sample"}),
+    (ModelType.LLM, {"mode", "max_tokens_to_sample", "function_calling_type", "stream_function_calling",
+                     "structured_output_support", "agent_thought_support"},
+     {"vllm_endpoint", "context_size", "max_tokens_to_sample"}),
     (ModelType.TEXT_EMBEDDING, {"max_chunks"}, {"vllm_endpoint", "context_size", "max_chunks"}),
 ])
 def test_each_type_sees_and_requires_only_its_fields(registration: Any, model_type: ModelType, own: set[str],

@@ -20,13 +20,26 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from dify_helpers import EMBED_MODEL, MODEL, PLUGIN_DIR, REPO, credentials, embedding_credentials, gateway_embeddings
+from dify_helpers import (
+    EMBED_MODEL,
+    GUIDED_MAX_TOKENS,
+    MODEL,
+    PLUGIN_DIR,
+    REPO,
+    TOOLS,
+    TOOLS_MODEL,
+    credentials,
+    embedding_credentials,
+    gateway_embeddings,
+    tools_credentials,
+)
 
 PLUGIN_FILES = {
     ".difyignore", ".env.example", "PRIVACY.md", "README.md", "main.py", "manifest.yaml", "requirements.txt",
     "_assets/icon.svg", "provider/kvgate.py", "provider/kvgate.yaml", "models/common/client.py",
     "models/common/errors.py", "models/common/settings.py", "models/llm/llm.py", "models/llm/messages.py",
-    "models/llm/responses.py", "models/llm/settings.py", "models/text_embedding/settings.py",
+    "models/llm/request.py", "models/llm/responses.py", "models/llm/schema.py", "models/llm/settings.py",
+    "models/llm/tool_calls.py", "models/text_embedding/settings.py",
     "models/text_embedding/text_embedding.py",
 }
 VERSION = yaml.safe_load((PLUGIN_DIR / "manifest.yaml").read_text())["version"]
@@ -129,6 +142,25 @@ def test_python_m_main_serverless_serves_the_packaged_plugin(serverless_plugin: 
     assert failed["data"]["type"] == "error"
     assert failed["data"]["data"]["error_type"] == "CredentialsValidateFailedError"
     assert "priority must be in [0, 100]" in failed["data"]["data"]["message"]
+
+
+def test_the_packaged_plugin_serves_tool_calls(serverless_plugin: str, gateways: Any) -> None:
+    """Tools, a history with a call and its result, and the answer's call, as JSON through the SDK's runtime (the
+    way Dify's plugin daemon sends and reads them)."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+               {"role": "tool", "content": "21 °C", "tool_call_id": "call_1"},
+               {"role": "user", "content": "And the time in Paris?"}]
+    events = session_events(serverless_plugin, {
+        "type": "model", "action": "invoke_llm", "model": TOOLS_MODEL, "prompt_messages": history,
+        "credentials": tools_credentials(gateways["tools"], function_calling_type="single_tool_call"),
+        "model_parameters": {"tool_choice": "required", "max_tokens": GUIDED_MAX_TOKENS, "temperature": 0},
+        "tools": [t.model_dump() for t in TOOLS], "stop": None, "stream": True})
+    chunks = [e["data"]["data"] for e in events]
+    (call,) = [c for chunk in chunks for c in chunk["delta"]["message"]["tool_calls"]]
+    assert call["function"]["name"] in {t.name for t in TOOLS} and json.loads(call["function"]["arguments"])
+    assert chunks[-1]["delta"]["finish_reason"] == "tool_calls"
 
 
 def test_the_packaged_plugin_serves_text_embeddings(serverless_plugin: str, gateways: Any) -> None:

@@ -46,7 +46,7 @@ def count_tokens(client: httpx.Client, settings: GatewaySettings, body: dict[str
         reason = f"{response.status_code}: {gateway_message(response)}"
     except (httpx.HTTPError, ValueError, KeyError) as e:
         reason = repr(e)
-    text = body.get("prompt") or "\n".join(m["content"] for m in body.get("messages", []))
+    text = body.get("prompt") or "\n".join(m.get("content") or "" for m in body.get("messages", []))
     estimate = max(1, len(text.encode("utf-8")) // 4)
     logger.warning("kvgate /tokenize at %s failed (%s); estimating %d tokens", url, reason, estimate)
     return estimate

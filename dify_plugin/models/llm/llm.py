@@ -1,8 +1,10 @@
-"""A kvgate model as a Dify LLM: chat or completion calls, streamed (with the gateway's usage) or blocking.
+"""A kvgate model as a Dify LLM: chat or completion calls, streamed (with the gateway's usage) or blocking, with
+tool calling, structured output and reasoning as the model's form turns them on (models/llm/schema.py).
 
 Every request carries the model's batching window (X-Max-Batch-Delay-Ms) and priority (X-Priority), and every
 wait for the gateway is bounded by the model's `timeout` credential. Token counts come from the gateway (its
-usage, its /tokenize), never from a tokenizer downloaded at run time.
+usage, its /tokenize), never from a tokenizer downloaded at run time. The request body is built by
+models/llm/request.py, answers are read by models/llm/responses.py.
 """
 from __future__ import annotations
 
@@ -12,14 +14,7 @@ from typing import Any
 import httpx
 from dify_plugin import LargeLanguageModel
 from dify_plugin.entities import I18nObject
-from dify_plugin.entities.model import (
-    AIModelEntity,
-    FetchFrom,
-    ModelPropertyKey,
-    ModelType,
-    ParameterRule,
-    ParameterType,
-)
+from dify_plugin.entities.model import AIModelEntity, FetchFrom, ModelPropertyKey, ModelType
 from dify_plugin.entities.model.llm import LLMResult, LLMResultChunk, LLMResultChunkDelta, LLMUsage
 from dify_plugin.entities.model.message import (
     AssistantPromptMessage,
@@ -31,12 +26,15 @@ from dify_plugin.errors.model import CredentialsValidateFailedError, InvokeError
 
 from models.common.client import count_tokens, send
 from models.common.errors import INVOKE_ERROR_MAPPING, error_for_exception
+from models.common.settings import DEFAULT_CONTEXT_SIZE
 from models.llm.messages import chat_messages, completion_prompt
+from models.llm.request import request_body
 from models.llm.responses import StreamState, blocking_answer, sse_events
+from models.llm.schema import model_features, parameter_rules, sampling_rules
 from models.llm.settings import LLMSettings
 
-# Dify's parameter name -> the OpenAI field kvgate reads (the same names)
-SAMPLING_PARAMETERS = ("temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "max_tokens", "seed")
+PING_TOOL = PromptMessageTool(name="ping", description="Answers pong.", parameters={"type": "object",
+                                                                                   "properties": {}})
 
 
 class KvgateLargeLanguageModel(LargeLanguageModel):
@@ -44,10 +42,10 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
     def _invoke(self, model: str, credentials: dict, prompt_messages: list[PromptMessage], model_parameters: dict,
                 tools: list[PromptMessageTool] | None = None, stop: list[str] | None = None, stream: bool = True,
                 user: str | None = None) -> LLMResult | Generator[LLMResultChunk, None, None]:
-        if tools:
-            raise ValueError("tool calling is not supported by kvgate yet: remove the tools from this model's use")
+        """The answer, with the tool calls the model made when `tools` were given (complete calls: in the
+        LLMResult's message, or in one chunk before the last one of a stream)."""
         settings = LLMSettings.from_credentials(model, credentials)
-        path, body = self._request_body(settings, prompt_messages, model_parameters, stop, stream, user)
+        path, body = request_body(settings, prompt_messages, model_parameters, tools, stop, stream, user)
         client = settings.client()
         try:  # the answer's status is checked here, so HTTP errors surface through the SDK's error mapping
             response = send(client, settings, path, body, stream)
@@ -61,35 +59,22 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
                 client.close()
         return self._stream_chunks(model, credentials, settings, prompt_messages, client, response)
 
-    def _request_body(self, settings: LLMSettings, prompt_messages: list[PromptMessage], parameters: dict,
-                      stop: list[str] | None, stream: bool, user: str | None) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {"model": settings.model_name, "stream": stream}
-        if settings.mode == "chat":
-            path, body["messages"] = "/v1/chat/completions", chat_messages(prompt_messages)
-        else:
-            path, body["prompt"] = "/v1/completions", completion_prompt(prompt_messages)
-        body.update({k: parameters[k] for k in SAMPLING_PARAMETERS if parameters.get(k) is not None})
-        if stop:
-            body["stop"] = list(stop)
-        if user:
-            body["user"] = user
-        if stream:
-            body["stream_options"] = {"include_usage": True}  # the gateway's own token counts end the stream
-        return path, body
-
     def _blocking_result(self, model: str, credentials: dict, settings: LLMSettings,
                          prompt_messages: list[PromptMessage], response: httpx.Response) -> LLMResult:
         try:
-            text, _, usage = blocking_answer(response.json(), settings.mode)
+            answer = blocking_answer(response.json(), settings.mode)
         except (ValueError, KeyError, IndexError, TypeError) as e:
             raise error_for_exception(ValueError(str(e)), str(response.url), settings.timeout) from e
-        return LLMResult(model=model, message=AssistantPromptMessage(content=text),
-                         usage=self._usage(model, credentials, settings, prompt_messages, text, usage))
+        generated = _answer_text(answer.text, answer.tool_calls)
+        return LLMResult(model=model, message=AssistantPromptMessage(content=answer.text, tool_calls=answer.tool_calls),
+                         usage=self._usage(model, credentials, settings, prompt_messages, generated, answer.usage))
 
     def _stream_chunks(self, model: str, credentials: dict, settings: LLMSettings,
                        prompt_messages: list[PromptMessage], client: httpx.Client,
                        response: httpx.Response) -> Generator[LLMResultChunk, None, None]:
-        """Content chunks as they arrive, then one last chunk with the usage and the finish reason.
+        """Content chunks as they arrive; then, if the model made tool calls, one chunk with the complete calls
+        (OpenAI's fragments assembled: Dify runs every call it finds in a chunk); then one last chunk with the
+        usage and the finish reason ("tool_calls" when the model stopped to call tools).
 
         The SDK does not map errors raised while a stream is read, so they are raised here as its types."""
         state, index = StreamState(settings.mode), 0
@@ -101,6 +86,7 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
                         index=index, message=AssistantPromptMessage(content=text)))
                     index += 1
             tail = state.finish()
+            calls = state.calls()
         except InvokeError:
             raise
         except Exception as e:  # noqa: BLE001 - every failure reaches Dify as one of the SDK's error types
@@ -108,7 +94,12 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
         finally:
             response.close()
             client.close()
-        usage = self._usage(model, credentials, settings, prompt_messages, state.text, state.usage)
+        if calls:
+            yield LLMResultChunk(model=model, delta=LLMResultChunkDelta(
+                index=index, message=AssistantPromptMessage(content=tail, tool_calls=calls)))
+            index, tail = index + 1, ""
+        usage = self._usage(model, credentials, settings, prompt_messages, _answer_text(state.text, calls),
+                            state.usage)
         yield LLMResultChunk(model=model, delta=LLMResultChunkDelta(
             index=index, message=AssistantPromptMessage(content=tail), usage=usage,
             finish_reason=state.finish_reason or "stop"))
@@ -128,36 +119,43 @@ class KvgateLargeLanguageModel(LargeLanguageModel):
     # ---- token counting -----------------------------------------------------------------------------------------
     def get_num_tokens(self, model: str, credentials: dict, prompt_messages: list[PromptMessage],
                        tools: list[PromptMessageTool] | None = None) -> int:
-        """The prompt's length in the gateway model's own tokens (kvgate's /tokenize applies its chat template)."""
+        """The prompt's length in the gateway model's own tokens (kvgate's /tokenize applies its chat template).
+        `tools` are not counted: kvgate's /tokenize takes no tools (a call's usage counts them)."""
         settings = LLMSettings.from_credentials(model, credentials)
         with settings.client() as client:
             return count_tokens(client, settings, _prompt_body(settings, prompt_messages))
 
     # ---- credentials and schema ---------------------------------------------------------------------------------
     def validate_credentials(self, model: str, credentials: dict) -> None:
-        """One small real request (1 token) through the same path as every call: headers, key, model, mode."""
+        """One small real request (1 token) through the same path as every call: headers, key, model, mode; with
+        function calling on, it gives a tool (tool_choice auto, what a call with tools sends by default), so that a
+        model served without tool calling is refused here, with the gateway's reason."""
         try:
             settings = LLMSettings.from_credentials(model, credentials)
         except ValueError as e:
             raise CredentialsValidateFailedError(str(e)) from e
-        path, body = self._request_body(settings, [_ping()], {"max_tokens": 1, "temperature": 0}, None, False, None)
+        tools = [PING_TOOL] if settings.tool_calls else None
+        path, body = request_body(settings, [_ping()], {"max_tokens": 1, "temperature": 0}, tools, None, False, None)
         try:
             with settings.client() as client:
                 send(client, settings, path, body).close()
         except InvokeError as e:
-            raise CredentialsValidateFailedError(str(e)) from e
+            prefix = "function calling is on for this model, and a request with a tool failed: " if tools else ""
+            raise CredentialsValidateFailedError(prefix + str(e)) from e
 
     def get_customizable_model_schema(self, model: str, credentials: Mapping) -> AIModelEntity:
+        """The model's mode, context size, features and parameters, as its form says (models/llm/schema.py)."""
         try:
             settings = LLMSettings.from_credentials(model, credentials)
-            mode, context, max_tokens = settings.mode, settings.context_size, settings.max_tokens
+            mode, context = settings.mode, settings.context_size
+            features, rules = model_features(settings), parameter_rules(settings)
         except ValueError:  # a bad form is reported by validate_credentials and by _invoke; keep the UI usable
-            mode, context, max_tokens = "chat", 4096, 4096
+            mode, context, features, rules = "chat", DEFAULT_CONTEXT_SIZE, [], sampling_rules(DEFAULT_CONTEXT_SIZE)
         return AIModelEntity(
             model=model, label=I18nObject(en_US=model), model_type=ModelType.LLM,
-            fetch_from=FetchFrom.CUSTOMIZABLE_MODEL, features=[],
+            fetch_from=FetchFrom.CUSTOMIZABLE_MODEL, features=features,
             model_properties={ModelPropertyKey.MODE: mode, ModelPropertyKey.CONTEXT_SIZE: context},
-            parameter_rules=parameter_rules(max_tokens))
+            parameter_rules=rules)
 
     @property
     def _invoke_error_mapping(self) -> dict[type[InvokeError], list[type[Exception]]]:
@@ -168,37 +166,15 @@ def _ping() -> PromptMessage:
     return UserPromptMessage(content="ping")
 
 
+def _answer_text(text: str, calls: list[AssistantPromptMessage.ToolCall]) -> str:
+    """What an answer generated, as text: its content and its calls' names and arguments (for counting the
+    completion's tokens where the gateway sent no usage)."""
+    return text + "".join(c.function.name + c.function.arguments for c in calls)
+
+
 def _prompt_body(settings: LLMSettings, prompt_messages: list[PromptMessage]) -> dict[str, Any]:
     """/tokenize's body for the prompt as the gateway sees it: chat messages (it applies the chat template) or the
     completion prompt."""
     if settings.mode == "chat":
         return {"messages": chat_messages(prompt_messages)}
     return {"prompt": completion_prompt(prompt_messages)}
-
-
-# parameters that Dify knows by name (its templates add translated labels and help)
-_TEMPLATES = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "max_tokens")
-
-
-def _rule(name: str, kind: ParameterType, label: str, help_text: str, **limits: Any) -> ParameterRule:
-    return ParameterRule(name=name, use_template=name if name in _TEMPLATES else None, label=I18nObject(en_US=label),
-                         type=kind, help=I18nObject(en_US=help_text), required=False, **limits)
-
-
-def parameter_rules(max_tokens: int) -> list[ParameterRule]:
-    """The sampling parameters a Dify user can set; all go to kvgate under OpenAI's names."""
-    return [
-        _rule("temperature", ParameterType.FLOAT, "Temperature", "0 is greedy; higher is more random.",
-              default=0.7, min=0.0, max=2.0, precision=2),
-        _rule("top_p", ParameterType.FLOAT, "Top P", "Sample from the smallest set of tokens with this much "
-              "probability.", default=1.0, min=0.01, max=1.0, precision=2),
-        _rule("top_k", ParameterType.INT, "Top K", "Sample from the K most likely tokens only (0: all).",
-              default=0, min=0, max=1000),
-        _rule("presence_penalty", ParameterType.FLOAT, "Presence penalty", "Penalize tokens that already "
-              "appeared.", default=0.0, min=-2.0, max=2.0, precision=2),
-        _rule("frequency_penalty", ParameterType.FLOAT, "Frequency penalty", "Penalize tokens by how often they "
-              "appeared.", default=0.0, min=-2.0, max=2.0, precision=2),
-        _rule("max_tokens", ParameterType.INT, "Max tokens", f"Most tokens to generate (at most {max_tokens}).",
-              default=min(512, max_tokens), min=1, max=max_tokens),
-        _rule("seed", ParameterType.INT, "Seed", "Same seed and parameters, same answer.", min=0),
-    ]

@@ -1,7 +1,11 @@
-"""Dify's prompt messages as kvgate's OpenAI bodies: chat messages, or one prompt string in completion mode."""
+"""Dify's prompt messages as kvgate's OpenAI bodies: chat messages (with tool calls and tool results), or one prompt
+string in completion mode."""
 from __future__ import annotations
 
+from typing import Any
+
 from dify_plugin.entities.model.message import (
+    AssistantPromptMessage,
     PromptMessage,
     PromptMessageContentType,
     PromptMessageRole,
@@ -9,7 +13,7 @@ from dify_plugin.entities.model.message import (
 
 # kvgate's chat endpoint takes these roles (developer is read as system)
 _ROLES = {PromptMessageRole.SYSTEM: "system", PromptMessageRole.USER: "user",
-          PromptMessageRole.ASSISTANT: "assistant"}
+          PromptMessageRole.ASSISTANT: "assistant", PromptMessageRole.TOOL: "tool"}
 _DEVELOPER = getattr(PromptMessageRole, "DEVELOPER", None)
 if _DEVELOPER is not None:
     _ROLES[_DEVELOPER] = "developer"
@@ -29,18 +33,35 @@ def message_text(message: PromptMessage) -> str:
     return "".join(parts)
 
 
-def chat_messages(prompt_messages: list[PromptMessage]) -> list[dict[str, str]]:
-    """OpenAI chat messages; tool messages are refused (this provider declares no tool calling)."""
+def _tool_call(call: AssistantPromptMessage.ToolCall) -> dict[str, Any]:
+    """A call of the history in OpenAI's shape; its arguments stay the JSON text Dify keeps."""
+    out: dict[str, Any] = {"type": "function",
+                           "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    if call.id:
+        out["id"] = call.id
+    return out
+
+
+def chat_message(message: PromptMessage) -> dict[str, Any]:
+    """One OpenAI chat message: a tool result carries the id of the call it answers; an assistant message carries
+    the calls it made (its content is null when it has only calls, as OpenAI sends it)."""
+    role = _ROLES.get(message.role)
+    if role is None:
+        raise ValueError(f"{message.role.value} messages are not supported (roles: {', '.join(_ROLES.values())})")
+    out: dict[str, Any] = {"role": role, "content": message_text(message)}
+    if role == "tool":
+        out["tool_call_id"] = getattr(message, "tool_call_id", None) or None
+    elif role == "assistant" and getattr(message, "tool_calls", None):
+        out["tool_calls"] = [_tool_call(c) for c in message.tool_calls]
+        out["content"] = out["content"] or None
+    return out
+
+
+def chat_messages(prompt_messages: list[PromptMessage]) -> list[dict[str, Any]]:
+    """The conversation as OpenAI chat messages."""
     if not prompt_messages:
         raise ValueError("at least one prompt message is needed")
-    messages = []
-    for message in prompt_messages:
-        role = _ROLES.get(message.role)
-        if role is None:
-            raise ValueError(f"{message.role.value} messages are not supported: kvgate has no tool calling yet "
-                             f"(roles: system, user, assistant)")
-        messages.append({"role": role, "content": message_text(message)})
-    return messages
+    return [chat_message(m) for m in prompt_messages]
 
 
 def completion_prompt(prompt_messages: list[PromptMessage]) -> str:
