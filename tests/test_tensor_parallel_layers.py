@@ -58,6 +58,11 @@ def rank_main(rank: int, world: int, init_file: str) -> None:
                 if getattr(layer, "bias", None) is not None:
                     layer.weight_loader(layer.bias, w[name + "_bias"])
             q, k, v = qkv(w["x"]).split(qkv.output_sizes, dim=-1)
+            apart = ColumnParallelLinear(HIDDEN, [(HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM)], True)
+            for param, whole in ((apart.weight, w["qkv"]), (apart.bias, w["qkv_bias"])):
+                for i, part in enumerate(whole.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM])):
+                    apart.weight_loader(param, part, i)  # q, k and v as a checkpoint holds them
+            torch.testing.assert_close(apart(w["x"]), qkv(w["x"]), rtol=0, atol=0)
             q_first, q_n = local_units(HEADS, qkv.tp)
             kv_first, kv_n = local_units(KV_HEADS, qkv.tp)
             torch.testing.assert_close(q.view(5, q_n, HEAD_DIM), ref["q"][:, q_first:q_first + q_n])

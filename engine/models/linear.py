@@ -48,14 +48,22 @@ class ColumnParallelLinear(nn.Module):
                  tp: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.tp = tp or get_tp_group()
+        self.sections = sections
         self.slices = _slices(sections, self.tp)
         self.output_sizes = [rows for _, rows in self.slices]  # the local size of each section
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(self.output_sizes))) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
-        """Copy this rank's rows of the full (unsharded) weight or bias into `param`."""
-        param.data.copy_(torch.cat([full[start:start + n] for start, n in self.slices]))
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, section: int | None = None) -> None:
+        """Copy this rank's rows of the full (unsharded) weight or bias into `param`: of every section at once, or,
+        with `section`, of that section alone (a checkpoint holds q, k and v, or gate and up, apart)."""
+        if section is None:
+            param.data.copy_(torch.cat([full[start:start + n] for start, n in self.slices]))
+            return
+        offset = sum(self.output_sizes[:section])
+        start = self.slices[section][0] - sum(units * rows for units, rows in self.sections[:section])
+        n = self.output_sizes[section]
+        param.data[offset:offset + n].copy_(full[start:start + n])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
