@@ -132,13 +132,13 @@ class LLMEngine:
             if sp.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed((sp.seed * 1000003 + i) % 2**63)
             req.seqs.append(seq)
-        if guided and not self.structured_output_manager.add_request(req):  # raises for a spec known to be invalid
-            self.requests[request_id] = req  # waits (WAITING_FOR_FSM) until step() finds its grammar compiled
-            self.num_prompt_tokens += len(ids)
-            return
+        # a guided request whose grammar is not compiled yet waits (WAITING_FOR_FSM) until step() finds it ready;
+        # a spec known to be invalid raises here, before anything is registered
+        ready = not guided or self.structured_output_manager.add_request(req)
         self.requests[request_id] = req
         self.num_prompt_tokens += len(ids)
-        self.scheduler.add(req.seqs[0])  # the others fork from it once the prompt is computed
+        if ready:
+            self.scheduler.add(req.seqs[0])  # the others fork from it once the prompt is computed
 
     def _check_guided(self, sp: SamplingParams) -> None:
         if not isinstance(sp.structured_outputs, StructuredOutputsParams):

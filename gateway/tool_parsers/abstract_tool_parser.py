@@ -20,7 +20,7 @@ from kvgate.gateway.delta_message import (
     random_tool_call_id,
 )
 from kvgate.gateway.parser_registry import ParserRegistry
-from kvgate.gateway.tool_parsers.utils import CallPiece, Piece, TextPiece
+from kvgate.gateway.tool_parsers.utils import CallPiece, Piece, TextPiece, partial_suffix
 
 __all__ = ["ToolParser", "ToolParserManager"]
 
@@ -57,6 +57,19 @@ class ToolParser:
         """The first `n` characters of the buffer, removed from it."""
         head, self.buffer = self.buffer[:n], self.buffer[n:]
         return head
+
+    def text_before(self, marker: str, final: bool, pieces: list[Piece]) -> bool:
+        """Move the buffer's text before `marker` into `pieces` as content. True: the buffer now starts with the
+        marker; False: it holds no marker (all of it went out, but for a tail that may begin one, unless `final`)."""
+        at = self.buffer.find(marker)
+        if at >= 0:
+            if at:
+                pieces.append(TextPiece(self.take(at)))
+            return True
+        keep = 0 if final else partial_suffix(self.buffer, marker)
+        if len(self.buffer) > keep:
+            pieces.append(TextPiece(self.take(len(self.buffer) - keep)))
+        return False
 
     # ---- the interface the serving uses -----------------------------------------------------------------------------
     def feed(self, text: str) -> DeltaMessage:

@@ -19,7 +19,6 @@ from kvgate.gateway.tool_parsers.utils import (
     Piece,
     TextPiece,
     calls_from_text,
-    partial_suffix,
 )
 
 
@@ -50,14 +49,8 @@ class HermesToolParser(ToolParser):
                 calls = calls_from_text(body)
                 pieces += calls if calls is not None else [TextPiece(whole)]
                 continue
-            start = buf.find(self.start_tag)
-            if start >= 0:
-                if start:
-                    pieces.append(TextPiece(self.take(start)))
+            if self.text_before(self.start_tag, final, pieces):
                 self._in_call, self._search_from = True, len(self.start_tag)
                 continue
-            keep = 0 if final else partial_suffix(buf, self.start_tag)
-            if len(buf) > keep:
-                pieces.append(TextPiece(self.take(len(buf) - keep)))
             break
         return pieces

@@ -18,7 +18,6 @@ from kvgate.gateway.tool_parsers.utils import (
     Piece,
     TextPiece,
     call_from_text,
-    partial_suffix,
 )
 
 START, TEXT, EXPECT_JSON, IN_JSON, BETWEEN = "start", "text", "expect_json", "in_json", "between"
@@ -50,15 +49,9 @@ class Llama3JsonToolParser(ToolParser):
                 self._prefix, self._state = "", BETWEEN if call is not None else TEXT
                 continue
             if state == TEXT:
-                at = buf.find(self.python_tag)
-                if at >= 0:
-                    if at:
-                        pieces.append(TextPiece(self.take(at)))
+                if self.text_before(self.python_tag, final, pieces):
                     self._prefix, self._state = self.take(len(self.python_tag)), EXPECT_JSON
                     continue
-                keep = 0 if final else partial_suffix(buf, self.python_tag)
-                if len(buf) > keep:
-                    pieces.append(TextPiece(self.take(len(buf) - keep)))
                 break
             # START, EXPECT_JSON, BETWEEN: what the first character after whitespace is decides
             rest = buf.lstrip()

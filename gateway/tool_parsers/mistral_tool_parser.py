@@ -24,7 +24,6 @@ from kvgate.gateway.tool_parsers.utils import (
     TextPiece,
     call_from_object,
     calls_from_text,
-    partial_suffix,
 )
 
 TEXT, AFTER_TOKEN, IN_LIST, NAME, EXPECT_ARGS, IN_ARGS = "text", "after_token", "in_list", "name", "expect", "args"
@@ -53,28 +52,30 @@ class MistralToolParser(ToolParser):
         pieces.append(TextPiece(self._taken + text))
         self._taken, self._state = "", TEXT
 
+    def _skip_space(self, pieces: list[Piece], final: bool) -> str | None:
+        """Take the buffer's leading whitespace into the call's text; the rest of the buffer, or None when nothing
+        else has come yet (at the end: the call is malformed)."""
+        rest = self.buffer.lstrip()
+        if not rest:
+            if final:
+                self._malformed(pieces, self.take(len(self.buffer)))
+            return None
+        self._taken += self.take(len(self.buffer) - len(rest))
+        return rest
+
     def parse(self, final: bool) -> list[Piece]:
         pieces: list[Piece] = []
         while self.buffer:
             buf, state = self.buffer, self._state
             if state == TEXT:
-                at = buf.find(self.bot_token)
-                if at >= 0:
-                    if at:
-                        pieces.append(TextPiece(self.take(at)))
+                if self.text_before(self.bot_token, final, pieces):
                     self._taken, self._state = self.take(len(self.bot_token)), AFTER_TOKEN
                     continue
-                keep = 0 if final else partial_suffix(buf, self.bot_token)
-                if len(buf) > keep:
-                    pieces.append(TextPiece(self.take(len(buf) - keep)))
                 break
             if state == AFTER_TOKEN:  # "[": the list format; anything else: a name
-                rest = buf.lstrip()
-                if not rest:
-                    if final:
-                        self._malformed(pieces, self.take(len(buf)))
+                rest = self._skip_space(pieces, final)
+                if rest is None:
                     break
-                self._taken += self.take(len(buf) - len(rest))
                 if rest[0] == "[":
                     self._state, self._scanner = IN_LIST, JsonValueEnd(0)
                 else:
@@ -108,12 +109,9 @@ class MistralToolParser(ToolParser):
                 self._name, self._state = name, EXPECT_ARGS
                 continue
             if state == EXPECT_ARGS:
-                rest = buf.lstrip()
-                if not rest:
-                    if final:
-                        self._malformed(pieces, self.take(len(buf)))
+                rest = self._skip_space(pieces, final)
+                if rest is None:
                     break
-                self._taken += self.take(len(buf) - len(rest))
                 if rest[0] != "{":
                     self._malformed(pieces)
                     continue
