@@ -45,6 +45,7 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
         kw["max_model_len"] = args.max_model_len
     if args.enforce_eager:
         kw["enforce_eager"] = True
+    kw["tensor_parallel_size"], kw["pipeline_parallel_size"] = args.tensor_parallel_size, args.pipeline_parallel_size
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     load_s = time.perf_counter() - t0
@@ -73,15 +74,19 @@ def run_kvgate(args: argparse.Namespace) -> tuple[dict, list[tuple[list[int], in
     mode = ["eager" if getattr(llm.engine.runner, "graphs", None) is None else "cuda graphs"]
     if args.concurrency:
         mode.append(f"{args.concurrency} in flight")
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        mode.append(f"TP={args.tensor_parallel_size} PP={args.pipeline_parallel_size}")
     if llm.engine.tokenizer is not None:
         mode.append("detokenized")
     if any(getattr(m, "fused", False) for m in llm.engine.runner.model.modules()):
         mode.append("fused ops")
-    return {"engine": f"kvgate ({cfg.attention_backend}, {', '.join(mode)})", "dtype": str(cfg.dtype).replace("torch.", ""),
-            "requests": len(reqs), "output_tokens": out_tokens, "seconds": round(secs, 2),
-            "output_tok_s": round(out_tokens / secs, 1),
-            "total_tok_s": round((out_tokens + sum(len(p) for p, _ in reqs)) / secs, 1),
-            "load_s": round(load_s, 1)}, reqs
+    row = {"engine": f"kvgate ({cfg.attention_backend}, {', '.join(mode)})", "dtype": str(cfg.dtype).replace("torch.", ""),
+           "requests": len(reqs), "output_tokens": out_tokens, "seconds": round(secs, 2),
+           "output_tok_s": round(out_tokens / secs, 1),
+           "total_tok_s": round((out_tokens + sum(len(p) for p, _ in reqs)) / secs, 1),
+           "load_s": round(load_s, 1)}
+    llm.engine.shutdown()  # the parallel ranks' workers, if any
+    return row, reqs
 
 
 def closed_loop(engine, reqs: list[tuple[list[int], int]], params: list[SamplingParams], concurrency: int) -> list:
@@ -132,11 +137,11 @@ def attach_step_timers(engine) -> dict:
     engine.step = _Timed(engine.step, timers, "step", False)
     prepare = engine.runner.prepare
 
-    def counted(scheduled):  # steps of decodes only (CUDA graphs where there are some) and the others (eager)
-        key = "decode-only steps" if all(n == 1 and len(s) - s.num_computed_tokens == 1 for s, n in scheduled) \
-            else "steps with prompt tokens"
+    def counted(step):  # steps of decodes only (CUDA graphs where there are some) and the others (eager)
+        out = prepare(step)
+        key = "decode-only steps" if out[2].num_decodes == out[2].num_seqs else "steps with prompt tokens"
         timers[key] = timers.get(key, 0) + 1
-        return prepare(scheduled)
+        return out
 
     engine.runner.prepare = counted
     return timers
@@ -217,6 +222,8 @@ def main() -> None:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
     ap.add_argument("--detokenize", action="store_true",
                     help="with dummy weights, still load the model dir's tokenizer and detokenize, as a server does")
     ap.add_argument("--profile", action="store_true", help="print where the step time goes")

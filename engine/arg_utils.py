@@ -15,6 +15,7 @@ DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # "float" and "hal
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 RUNNERS = ("auto", "generate", "pooling")
 CORE_DEATH_POLICIES = ("restart", "exit")
+EXECUTOR_BACKENDS = ("uni", "mp", "external_launcher", "external")  # vLLM's names; "external" is short for the third
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,14 @@ class EngineArgs:
     max_logprobs: int = arg(20, "largest logprobs / top_logprobs a request may ask for", ge=0)
     attention_backend: str | None = arg(None, "a registered attention backend (default: triton on CUDA, torch on "
                                               "CPU)", metavar="NAME")
-    tensor_parallel_size: int = arg(1, "GPUs per model replica (only 1 is built so far)", ge=1)
-    pipeline_parallel_size: int = arg(1, "pipeline stages (only 1 is built so far)", ge=1)
+    tensor_parallel_size: int = arg(1, "ranks per model replica, each holding a slice of every layer: GPUs on CUDA, "
+                                       "processes sharing the cores on CPU", ge=1)
+    pipeline_parallel_size: int = arg(1, "pipeline stages, each holding a range of the layers (times "
+                                         "tensor_parallel_size ranks in all)", ge=1)
+    distributed_executor_backend: str | None = arg(None, "how the other ranks start: mp (worker processes on this "
+                                                         "host, the default) or external_launcher (started by "
+                                                         "torchrun, Slurm, ...: `kvgate worker` on the others)",
+                                                   choices=EXECUTOR_BACKENDS)
     enforce_eager: bool = arg(False, "on CUDA, no CUDA graphs")
     skip_tokenizer_init: bool = arg(False, "load no tokenizer: prompts are token ids, outputs have no text")
     engine_core_process: bool | None = arg(None, "run the engine loop in a process of its own (default: on CUDA)")
@@ -174,10 +181,11 @@ class EngineArgs:
     def check(self) -> None:
         """Every check that needs no model: the declarations, then the rules between arguments. Raises ArgError."""
         check_fields(self)
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            which = "tensor_parallel_size" if self.tensor_parallel_size != 1 else "pipeline_parallel_size"
-            raise ArgError(which, f"must be 1: tensor and pipeline parallelism are not built yet, got "
-                                  f"{getattr(self, which)}")
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.executor_backend == "uni" and world > 1:
+            raise ArgError("distributed_executor_backend", f"uni runs one rank, and tensor_parallel_size x "
+                                                           f"pipeline_parallel_size is {world}: use mp or "
+                                                           f"external_launcher")
         if self.device != "auto" and not _is_device(self.device):
             raise ArgError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.pooler_config is not None and self.runner == "generate":
@@ -193,6 +201,14 @@ class EngineArgs:
             if self.attention_backend not in names:
                 raise ArgError("attention_backend", f"must be a registered backend ({', '.join(names)}), got "
                                                     f"{self.attention_backend!r}")
+
+    @property
+    def executor_backend(self) -> str:
+        """distributed_executor_backend resolved: uni (one rank), mp or external_launcher."""
+        b = self.distributed_executor_backend
+        if b == "external":
+            return "external_launcher"
+        return b if b is not None else ("mp" if self.tensor_parallel_size * self.pipeline_parallel_size > 1 else "uni")
 
     @property
     def num_seqs(self) -> int:

@@ -27,6 +27,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self.freed_seq_ids: list[int] = []  # sequences whose blocks were dropped since take_freed (runners forget them)
 
     @property
     def num_blocks(self) -> int:
@@ -105,6 +106,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first, so that a sequence's last blocks are evicted before its first."""
+        if seq.block_table:
+            self.freed_seq_ids.append(seq.seq_id)
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -115,6 +118,10 @@ class BlockManager:
                     self.free_queue.move_to_end(bid, last=False)  # holds nothing reusable: evict first
         seq.block_table = []
         seq.num_hashed_blocks = 0
+
+    def take_freed(self) -> list[int]:
+        freed, self.freed_seq_ids = self.freed_seq_ids, []
+        return freed
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Share the parent's full computed blocks with a child (n > 1); the child recomputes the rest."""

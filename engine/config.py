@@ -33,7 +33,6 @@ class EngineConfig:
     served_model_name: str
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
-    extra: dict = field(default_factory=dict)
 
     default_sampling_params: dict[str, Any] = field(default_factory=dict)  # from generation_config
     extra: dict = field(default_factory=dict)
@@ -86,6 +85,7 @@ class EngineConfig:
                                                 "use torch")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ArgError("device", f"is {a.device}, but torch sees no CUDA device here")
+        _check_tensor_parallel(a, model_config, device)
         name = a.served_model_name or _default_name(a.model, model_path)
         defaults = load_generation_defaults(a.generation_config, model_path) if runner == "generate" else {}
         return cls(args=a, model_path=model_path, load_format=load_format, model_config=model_config, dtype=dtype,
@@ -97,6 +97,31 @@ class EngineConfig:
 def check_engine_args(a: EngineArgs) -> None:
     """Everything EngineConfig.from_args refuses, found without loading or converting anything."""
     EngineConfig.from_args(a, convert_default_model=False)
+
+
+def _check_tensor_parallel(a: EngineArgs, mc: ModelConfig, device: torch.device) -> None:
+    """The model's heads and MLP must split evenly over tensor_parallel_size ranks (KV heads may also be
+    replicated: TP a multiple of them), every pipeline stage needs a layer, and on CUDA each rank a GPU."""
+    tp, pp = a.tensor_parallel_size, a.pipeline_parallel_size
+    if pp > mc.num_hidden_layers:
+        raise ArgError("pipeline_parallel_size", f"must be at most the {mc.num_hidden_layers} layers of "
+                                                 f"{mc.architecture}, got {pp}")
+    if tp * pp == 1:
+        return
+    problems = []
+    if mc.num_attention_heads % tp:
+        problems.append(f"the {mc.num_attention_heads} attention heads")
+    if mc.num_key_value_heads % tp and tp % mc.num_key_value_heads:
+        problems.append(f"the {mc.num_key_value_heads} KV heads (or be a multiple of them)")
+    if mc.intermediate_size % tp:
+        problems.append(f"the MLP width {mc.intermediate_size}")
+    if problems:
+        raise ArgError("tensor_parallel_size", f"must divide {', '.join(problems)} of {mc.architecture}, got {tp}")
+    if device.type == "cuda" and a.executor_backend == "mp":
+        have = torch.cuda.device_count() - (device.index or 0)
+        if tp * pp > have:
+            raise ArgError("tensor_parallel_size", f"x pipeline_parallel_size needs {tp * pp} GPUs from {device} on, "
+                                                   f"and this host has {have}")
 
 
 def _has_triton_backend() -> bool:

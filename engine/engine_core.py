@@ -143,7 +143,11 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
                            for cid, _, _ in out.results]
             conn.send(out)
 
-    EngineCore(engine, inbox, emit).run()
+    engine.executor.exit_on_worker_death = True  # the parent restarts this process, and so every rank
+    try:
+        EngineCore(engine, inbox, emit).run()
+    finally:
+        engine.shutdown()
 
 
 def freeze_gc_heap() -> None:

@@ -13,7 +13,7 @@ import torch
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
-from kvgate.engine.model_runner import ModelRunner
+from kvgate.engine.executor import Executor
 from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
     RequestOutput
 from kvgate.engine.pooler import Pooler
@@ -23,6 +23,7 @@ from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
 from kvgate.engine.stats import LatencyStats
+from kvgate.engine.step_input import StepInput, StepInputBuilder
 from kvgate.engine.structured_output import StructuredOutputsParams
 from kvgate.engine.structured_output.manager import StructuredOutputManager
 from kvgate.engine.tokenizer import load_tokenizer
@@ -52,7 +53,8 @@ class LLMEngine:
         self.config = config
         a = config.args
         self.tokenizer = None if a.skip_tokenizer_init else load_tokenizer(config)
-        self.runner = ModelRunner(config)
+        self.executor = Executor(config)  # every tensor-parallel rank's runner (one, in this process, at size 1)
+        self.runner = self.executor.runner  # rank 0's: its logits are sampled here
         capacity = self.runner.num_blocks * a.block_size
         if capacity < config.max_model_len:
             logger.warning("KV cache holds %d tokens, fewer than max_model_len %d: lowering max_model_len",
@@ -60,6 +62,7 @@ class LLMEngine:
             config.max_model_len = capacity
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching)
+        self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
                                    a.scheduler_delay, a.priority_aging_rate)
@@ -197,6 +200,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        self.executor.shutdown()
+
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
         so = self.structured_output_manager
@@ -212,7 +219,7 @@ class LLMEngine:
             return []
         if self.pooler is not None:
             return self._pooling_step(out.scheduled)
-        logits = self.runner.execute(out.scheduled)
+        logits = self.executor.execute(self._step_input(out.scheduled))
         self.num_steps += 1
         sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)]
         for seq, n in out.scheduled:
@@ -255,6 +262,9 @@ class LLMEngine:
                 self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
 
+    def _step_input(self, scheduled: list[tuple[Sequence, int]]) -> StepInput:
+        return self.step_inputs.build(scheduled, self.block_manager.take_freed())
+
     def _release_guided(self) -> None:
         """Schedule the guided requests whose grammar is now compiled; fail those whose spec was invalid."""
         ready, failed = self.structured_output_manager.take_ready()
@@ -271,7 +281,7 @@ class LLMEngine:
 
     def _pooling_step(self, scheduled: list[tuple[Sequence, int]]) -> list[EngineOutput]:
         """Prefill chunks only: every sequence whose prompt is now computed is pooled and finishes ("stop")."""
-        pooled = self.pooler.step(self.runner.execute_hidden(scheduled), scheduled)
+        pooled = self.pooler.step(self.executor.execute_hidden(self._step_input(scheduled)), scheduled)
         self.num_steps += 1
         for seq, n in scheduled:
             seq.num_computed_tokens += n

@@ -1,4 +1,6 @@
-"""MemoryMonitor(engine).get_stats(): KV-cache use, fragmentation and prefix-cache figures."""
+"""MemoryMonitor(engine).get_stats(): KV-cache use, fragmentation and prefix-cache figures. Under tensor and pipeline
+parallelism every rank holds the same blocks (each its slice of the KV heads, for its stage's layers): bytes are
+summed over the ranks, blocks are counted once."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,7 +14,8 @@ class MemoryMonitor:
 
     def get_stats(self) -> dict[str, float | int]:
         bm = self.engine.block_manager
-        block_bytes = self.engine.runner.block_bytes
+        ranks = self.engine.executor.world_size
+        block_bytes = self.engine.runner.block_bytes_all_ranks
         in_use = [b for b in bm.blocks if b.ref_count > 0]
         filled: dict[int, int] = {}
         for seq in self.engine.scheduler.running:
@@ -27,7 +30,8 @@ class MemoryMonitor:
                           and bm.cached.get(b.hash) == b.block_id)
         return {
             "allocated": len(in_use) * block_bytes / 2**30,  # GiB held by live sequences
-            "capacity": bm.num_blocks * block_bytes / 2**30,
+            "capacity": bm.num_blocks * block_bytes / 2**30,  # over all ranks
+            "tensor_parallel_size": ranks,
             "fragmentation": 1.0 - used_slots / slots if slots else 0.0,
             "free_blocks": bm.num_free_blocks,
             "total_blocks": bm.num_blocks,

@@ -11,10 +11,12 @@ from torch import nn
 
 from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graph import DecodeGraphs
+from kvgate.engine.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from kvgate.engine.forward_context import forward_context
 from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
-from kvgate.engine.sequence import Sequence
+from kvgate.engine.models.parallel import local_units
+from kvgate.engine.step_input import RunnerState, StepInput
 from kvgate.kernels.cpu_linear import can_pack, pack_linears
 from kvgate.kernels.metadata import AttentionMetadata
 from kvgate.kernels.registry import get_attention_backend
@@ -51,15 +53,21 @@ class ModelRunner:
                                pooling=config.runner == "pooling")
         if self.device.type == "cpu" and os.environ.get("KVGATE_TUNE_MALLOC", "1") == "1":
             tune_cpu_allocator()
-        if can_pack(self.device, config.dtype):  # CPU: oneDNN pre-packed matmuls
-            if self.model.lm_head is None and not self.model.pooling:
+        tp, self.pp = get_tp_group(), get_pp_group()
+        self.num_kv_heads = local_units(mc.num_key_value_heads, tp)[1]  # this rank's (tensor parallelism)
+        self.num_layers = len(self.model.layer_range)  # this stage's (pipeline parallelism)
+        if can_pack(self.device, config.dtype) and tp.world_size == 1:  # CPU: oneDNN pre-packed matmuls
+            if not self.model.pooling and self.pp.is_last:  # the LM head (or the tied embedding) as a linear to pack
+                head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
                 self.model.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
-                self.model.lm_head.weight = self.model.embed_tokens.weight
+                self.model.lm_head.weight = head.weight
             pack_linears(self.model)
-        self.num_blocks = self._num_blocks()
-        shape = (mc.num_hidden_layers, 2, self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.state = RunnerState()  # the sequences this runner runs, as the step messages told it
+        # every rank sizes its own cache; all use the smallest number of blocks (the scheduler's is shared)
+        self.num_blocks = get_world_group().min_over_ranks(self._num_blocks())
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=config.kv_cache_dtype, device=self.device)
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.local_layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
         # The fused RMSNorm / rotary / SiLU-and-mul kernels (kernels/triton_fused.py), KVGATE_FUSED_OPS:
@@ -73,13 +81,15 @@ class ModelRunner:
         if triton_gpu and fused == "all":
             use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
-        if triton_gpu and not config.args.enforce_eager and config.runner == "generate":  # pooling: prefill only
+        # pooling: prefill only. Pipeline stages run eager for now (their graphs would take the previous stage's
+        # hidden states as inputs)
+        if triton_gpu and not config.args.enforce_eager and config.runner == "generate" and self.pp.world_size == 1:
             from kvgate.kernels.triton_decode import graph_partition_size
 
             self.graphs = DecodeGraphs(
                 self.model, self.attention_fn, config.max_num_seqs, config.max_model_len, self.block_size,
                 mc.hidden_size, config.dtype, self.device,
-                functools.partial(graph_partition_size, num_kv_heads=mc.num_key_value_heads,
+                functools.partial(graph_partition_size, num_kv_heads=self.num_kv_heads,
                                   max_model_len=config.max_model_len, device=self.device))
             self.graphs.capture()
         if triton_gpu and fused == "eager":
@@ -111,7 +121,7 @@ class ModelRunner:
                 block_size=self.block_size, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
             ids = torch.zeros(tokens, dtype=torch.long, device=dev)
             with forward_context(md, self.attention_fn):
-                self.model.compute_logits(self.model(ids, ids))
+                self._local_forward(ids, ids, logits_rows=tokens)
         torch.cuda.synchronize()
         logger.info("warmed up eager steps in %.1fs", time.perf_counter() - t0)
 
@@ -119,7 +129,15 @@ class ModelRunner:
     def block_bytes(self) -> int:
         mc = self.config.model_config
         elem = torch.empty(0, dtype=self.config.kv_cache_dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+
+    @property
+    def block_bytes_all_ranks(self) -> int:
+        """A block's bytes summed over every rank: each tensor-parallel slice of every layer."""
+        mc = self.config.model_config
+        elem = torch.empty(0, dtype=self.config.kv_cache_dtype).element_size()
+        return (2 * mc.num_hidden_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
+                * get_tp_group().world_size)
 
     def _num_blocks(self) -> int:
         a = self.config.args
@@ -142,9 +160,9 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         n = self.config.max_num_batched_tokens
-        dummy = torch.zeros((1, self.block_size, self.config.model_config.num_key_value_heads,
+        dummy = torch.zeros((1, self.block_size, self.num_kv_heads,
                              self.config.model_config.head_dim), dtype=self.config.kv_cache_dtype, device=self.device)
-        for layer in self.model.layers:
+        for layer in self.model.local_layers:
             layer.self_attn.attn.k_cache = layer.self_attn.attn.v_cache = dummy
         seqs = min(self.config.max_num_seqs, n)
         lens = [n // seqs + (1 if i < n % seqs else 0) for i in range(seqs)]
@@ -160,8 +178,7 @@ class ModelRunner:
             query_start_loc_cpu=starts, seq_lens_cpu=lens)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with forward_context(md, self.attention_fn):
-            hidden = self.model(ids, torch.zeros_like(ids))
-            self.model.compute_logits(hidden[: self.config.max_num_seqs])
+            self._local_forward(ids, torch.zeros_like(ids), logits_rows=self.config.max_num_seqs)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         others = (total - free) - torch.cuda.memory_reserved()  # other processes, CUDA context
@@ -171,29 +188,30 @@ class ModelRunner:
         logger.info("KV cache budget %.2f GiB (peak step %.2f GiB)", budget / 2**30, peak / 2**30)
         return budget
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                                        list[int]]:
-        """Flat step tensors for (seq, new tokens) pairs, decodes first; also the rows whose logits are needed."""
+    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """Flat step tensors for the step's scheduled sequences (decodes first); also the rows whose logits are
+        needed (each sequence whose known tokens are then all computed)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts, seq_lens, logits_rows = [0], [], []
         num_decodes = 0
-        for seq, n in scheduled:
-            c = seq.num_computed_tokens
-            if n == 1 and len(seq) - c == 1:
+        states = self.state.apply(step)
+        for s, n, c in zip(states, step.num_new_tokens, step.num_computed_tokens):
+            length = len(s.token_ids)
+            if n == 1 and length - c == 1:
                 num_decodes += 1
-            input_ids.extend(seq.token_ids[c:c + n])
+            input_ids.extend(s.token_ids[c:c + n])
             positions.extend(range(c, c + n))
-            table = seq.block_table
+            table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
-            if c + n == len(seq):
+            if c + n == length:
                 logits_rows.append(starts[-1] - 1)
-        max_blocks = max(len(s.block_table) for s, _ in scheduled)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s, _ in scheduled]
+        max_blocks = max(len(s.block_table) for s in states)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in states]
         dev = self.device
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
@@ -202,31 +220,72 @@ class ModelRunner:
         md = AttentionMetadata(
             slot_mapping=t(slots, torch.long), query_start_loc=t(starts, torch.int32),
             seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=num_decodes,
-            max_query_len=max(n for _, n in scheduled), max_seq_len=max(seq_lens), block_size=bs,
+            max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens), block_size=bs,
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
         return t(input_ids, torch.long), t(positions, torch.long), md, logits_rows
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Run one step; returns float32 logits for every sequence whose tokens are now all computed."""
-        hidden, rows = self._forward(scheduled)
-        if not rows:
-            return hidden.new_empty((0, self.config.model_config.vocab_size), dtype=torch.float32)
-        if len(rows) < hidden.shape[0]:
-            hidden = hidden[torch.tensor(rows, device=self.device)]
-        return self.model.compute_logits(hidden)
+    def _local_forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_rows: int) -> None:
+        """This stage's part of a step with made-up inputs (warm-up, memory profile): nothing is sent."""
+        mc = self.config.model_config
+        intermediate = None
+        if not self.pp.is_first:
+            x = torch.zeros((ids.shape[0], mc.hidden_size), dtype=self.config.dtype, device=self.device)
+            intermediate = (x, x.clone())
+        out = self.model(ids, positions, intermediate)
+        if self.pp.is_last and not self.model.pooling:
+            self.model.compute_logits(out[:logits_rows])
 
     @torch.inference_mode()
-    def execute_hidden(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """Run one step; returns float32 logits for every sequence whose tokens are now all computed, on global
+        rank 0 (and the last pipeline stage); None on the other ranks."""
+        hidden, rows = self._forward(step)
+        vocab = self.config.model_config.vocab_size
+        logits = None
+        if hidden is not None:  # the last stage
+            if not rows:
+                logits = hidden.new_empty((0, vocab), dtype=torch.float32)
+            else:
+                if len(rows) < hidden.shape[0]:
+                    hidden = hidden[torch.tensor(rows, device=self.device)]
+                logits = self.model.compute_logits(hidden)
+        return self._to_rank0(logits, (len(rows), vocab), torch.float32)
+
+    @torch.inference_mode()
+    def execute_hidden(self, step: StepInput) -> torch.Tensor | None:
         """Run one step of the pooling runner; returns the final (normed) hidden states of every scheduled token,
         [num_tokens, hidden_size] in the model's dtype, flat in the scheduled order (each sequence's new tokens
-        one after another)."""
-        return self._forward(scheduled)[0]
+        one after another), on global rank 0; None on the other ranks."""
+        hidden, _ = self._forward(step)
+        shape = (sum(step.num_new_tokens), self.config.model_config.hidden_size)
+        return self._to_rank0(hidden, shape, self.config.dtype)
 
-    def _forward(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[int]]:
-        """The model over one step: (hidden states of every scheduled token, the rows whose logits are needed)."""
-        input_ids, positions, md, rows = self.prepare(scheduled)
+    def _to_rank0(self, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+        """The last stage's result, moved to global rank 0 where that is another stage (its first tp rank sends)."""
+        if self.pp.world_size == 1:
+            return out
+        rank = get_world_group().rank
+        last_first = (self.pp.world_size - 1) * get_tp_group().world_size  # the last stage's first rank
+        if rank == last_first:
+            self.pp.send([out], dst=0)  # type: ignore[list-item]
+        elif rank == 0:
+            return self.pp.recv([shape], dtype, self.device, src=last_first)[0]
+        return out if rank == 0 else None
+
+    def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, list[int]]:
+        """This stage's part of one step: (the last stage's final hidden states of every scheduled token, else None;
+        the rows whose logits are needed). Other stages receive the previous stage's hidden states and send theirs
+        on."""
+        input_ids, positions, md, rows = self.prepare(step)
         if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
             return self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables), rows
+        intermediate = None
+        if not self.pp.is_first:
+            shape = (input_ids.shape[0], self.config.model_config.hidden_size)
+            intermediate = tuple(self.pp.recv([shape, shape], self.config.dtype, self.device))
         with forward_context(md, self.attention_fn):
-            return self.model(input_ids, positions), rows
+            out = self.model(input_ids, positions, intermediate)
+        if self.pp.is_last:
+            return out, rows
+        self.pp.send(list(out))
+        return None, rows

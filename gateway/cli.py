@@ -1,5 +1,5 @@
-"""The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), convert (GGUF -> HF directory),
-dify-package (the Dify plugin)."""
+"""The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), worker (a tensor-parallel rank on another
+host), convert (GGUF -> HF directory), dify-package (the Dify plugin)."""
 from __future__ import annotations
 
 import argparse
@@ -151,6 +151,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """One rank (tensor-parallel slice, pipeline stage) of an engine whose rank 0 runs `kvgate serve --distributed-executor-backend
+    external_launcher` on the head node; the rendezvous is torch.distributed's environment (env://)."""
+    from kvgate.engine.worker import run_worker
+
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"kvgate worker joins through torch.distributed's environment, and {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set (a launcher such as torchrun sets them)")
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag
+    a = engine_args(args)
+    a.distributed_executor_backend = "external_launcher"
+    a.check()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != a.tensor_parallel_size * a.pipeline_parallel_size:
+        raise ValueError(f"WORLD_SIZE is {world}, and --tensor-parallel-size x --pipeline-parallel-size is "
+                         f"{a.tensor_parallel_size * a.pipeline_parallel_size}: they must be equal")
+    if rank == 0:
+        raise ValueError("rank 0 runs the engine: start `kvgate serve` there, `kvgate worker` on ranks 1 and up")
+    print(f"[kvgate] worker rank {rank}/{world} joining {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+          file=sys.stderr, flush=True)
+    run_worker(a, rank, int(os.environ.get("LOCAL_RANK", 0)))
+    return 0
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from kvgate.engine.models.gguf import convert_gguf_to_hf
 
@@ -186,6 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
               skip=("engine_core_process", "on_engine_core_death", "max_engine_core_restarts", "served_model_name",
                     "scheduler_delay", "max_tokens_default"))
     g.set_defaults(func=cmd_generate)
+    w = sub.add_parser("worker", help="run one rank of a tensor/pipeline-parallel engine served from another host",
+                       description="Started by a launcher (torchrun, Slurm, a Kubernetes LeaderWorkerSet) with RANK, "
+                                   "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and the same engine "
+                                   "flags as `kvgate serve --distributed-executor-backend external_launcher` on "
+                                   "rank 0.", argument_default=argparse.SUPPRESS)
+    w.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model")
+    add_flags(w.add_argument_group("engine arguments (vLLM's names)"), ENGINE_FLAGS,
+              skip=("engine_core_process", "on_engine_core_death", "max_engine_core_restarts", "served_model_name",
+                    "scheduler_delay", "max_tokens_default", "enable_auto_tool_choice", "tool_call_parser",
+                    "reasoning_parser", "distributed_executor_backend"))
+    w.set_defaults(func=cmd_worker)
     c = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face directory (safetensors + tokenizer)")
     c.add_argument("--input", required=True, help="model.gguf")
     c.add_argument("--output", required=True, help="output directory")

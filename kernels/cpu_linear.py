@@ -26,10 +26,11 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module) -> int:
-    """Replace every nn.Linear inside `module` by a PackedLinear; returns how many were replaced."""
+    """Replace every nn.Linear inside `module`, and every tensor-parallel linear at world size 1 (`packable`: the
+    same math), by a PackedLinear; returns how many were replaced."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear):
+        if isinstance(child, nn.Linear) or getattr(child, "packable", False):
             setattr(module, name, PackedLinear(child.weight, child.bias))
             count += 1
         else:

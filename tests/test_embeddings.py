@@ -55,6 +55,19 @@ def test_every_architecture_matches_transformers(models: dict[str, str], arch: s
     assert_engine_idle(llm)
 
 
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_embeddings_split_over_ranks_are_transformers(models: dict[str, str], tp: int, pp: int) -> None:
+    """The pooling runner under tensor and pipeline parallelism: the last stage's hidden states reach rank 0."""
+    llm = LLM(models["qwen3"], kv_cache_memory_bytes=1 << 24, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              max_num_batched_tokens=7, pooler_config={"pooling_type": "MEAN", "normalize": False})
+    try:
+        got = embeddings(llm.encode(PROMPTS))
+        torch.testing.assert_close(got, hf_embeddings(models["qwen3"], PROMPTS, "MEAN", False), **TOL)
+        assert_engine_idle(llm)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("pooling", ["LAST", "MEAN", "CLS"])
 @pytest.mark.parametrize("normalize", [True, False])
 def test_pooling_types_with_chunked_prefill(models: dict[str, str], pooling: str, normalize: bool) -> None:

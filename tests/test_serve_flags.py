@@ -46,6 +46,7 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "attention_backend": (["--attention-backend", "torch"], "torch"),
     "tensor_parallel_size": (["--tensor-parallel-size", "1"], "1"),
     "pipeline_parallel_size": (["--pipeline-parallel-size", "1"], "1"),
+    "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp"),
     "enforce_eager": (["--enforce-eager"], "True"),
     "engine_core_process": (["--engine-core-process"], "True"),
     "on_engine_core_death": (["--on-engine-core-death", "exit"], "exit"),
@@ -137,8 +138,8 @@ def test_generation_config_fills_what_the_request_leaves_out(tmp_path: Path, tin
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size: must be 1: tensor and pipeline parallelism are "
-                                      "not built yet, got 2"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size must divide the 4 attention heads, the 2 KV heads (or be "
+                                      "a multiple of them), the MLP width 128 of LlamaForCausalLM, got 3"),
     (["--max-model-len", "100000"], "max_model_len must be in [2, 512] for this model, got 100000"),
     (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "100"],
      "max_num_batched_tokens must be >= max_model_len (512) without chunked prefill, got 100"),
@@ -196,11 +197,11 @@ def test_a_config_file_with_an_unservable_value_exits_2(tmp_path: Path, tiny_mod
     """The case that once left a server up with a dead model: now refused before anything loads or listens."""
     config = tmp_path / "config.yaml"
     config.write_text(f"models:\n  - name: tiny\n    model: {tiny_model_dirs['llama']}\n"
-                      f"    tensor_parallel_size: 2\n")
+                      f"    pipeline_parallel_size: 3\n")
     r = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip() == (f"kvgate: error: {config}: models[0].tensor_parallel_size: must be 1: tensor and "
-                                f"pipeline parallelism are not built yet, got 2")
+    assert r.stderr.strip() == (f"kvgate: error: {config}: model 'tiny': pipeline_parallel_size must be at most the 2 "
+                                f"layers of LlamaForCausalLM, got 3")
     config.write_text(f"max_model_len: 4096\nmodels:\n  - name: tiny\n    model: {tiny_model_dirs['llama']}\n")
     r = subprocess.run([*CLI, "serve", "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2

@@ -1,4 +1,4 @@
-"""The tensor-parallel layers (engine/models/linear.py) in real processes over gloo: every rank loads its slices
+"""The tensor-parallel layers (engine/models/parallel.py) in real processes over gloo: every rank loads its slices
 from the same full weights, and the sharded QKV / o_proj / gate-up / down_proj / embedding / LM head give what the
 full weights give (KV heads replicated where TP > num_kv_heads)."""
 from __future__ import annotations
@@ -38,11 +38,11 @@ def reference(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def rank_main(rank: int, world: int, init_file: str) -> None:
     torch.manual_seed(1234 + rank)  # parameters are created uninitialized: only the loaded slices may count
     torch.set_default_dtype(torch.float64)
-    from kvgate.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-    from kvgate.engine.models.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+    from kvgate.engine.distributed.parallel_state import destroy_model_parallel, get_world_group, init_model_parallel
+    from kvgate.engine.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                              VocabParallelEmbedding, local_units)
 
-    init_tensor_parallel(world, rank, "gloo", f"file://{init_file}")
+    init_model_parallel(world, 1, rank, "gloo", f"file://{init_file}")
     try:
         w, ref = full_weights(), None
         ref = reference(w)
@@ -73,8 +73,49 @@ def rank_main(rank: int, world: int, init_file: str) -> None:
             torch.testing.assert_close(down(F.silu(gate) * up), ref["mlp"])
             torch.testing.assert_close(embed(w["ids"]), ref["embed"])
             torch.testing.assert_close(head.compute_logits(w["x"]), ref["logits"])
+            everyone = get_world_group()
+            assert everyone.min_over_ranks(10 + rank) == 10  # (the KV blocks every rank can hold)
+            assert everyone.broadcast_object({"from": rank} if rank == 0 else None) == {"from": 0}
     finally:
-        destroy_tensor_parallel()
+        destroy_model_parallel()
+
+
+class LazySlice:
+    """A safetensors slice stand-in that counts the elements read through it."""
+
+    def __init__(self, full: torch.Tensor) -> None:
+        self.full, self.read = full, 0
+
+    def get_shape(self) -> list[int]:
+        return list(self.full.shape)
+
+    def __getitem__(self, key) -> torch.Tensor:
+        out = self.full[key]
+        self.read += out.numel()
+        return out
+
+
+def test_a_rank_reads_only_its_slices_of_a_lazy_tensor() -> None:
+    from kvgate.engine.distributed.parallel_state import TensorParallelGroup
+    from kvgate.engine.models.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    w = full_weights()
+    for rank in range(4):
+        tp = TensorParallelGroup(rank, 4)
+        qkv = ColumnParallelLinear(HIDDEN, [(HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM)], False, tp)
+        down = RowParallelLinear((INTER, 1), HIDDEN, False, tp)
+        embed = VocabParallelEmbedding(VOCAB, HIDDEN, tp)
+        parts = [LazySlice(t) for t in w["qkv"].float().split([HEADS * HEAD_DIM] + [KV_HEADS * HEAD_DIM] * 2)]
+        for i, part in enumerate(parts):
+            qkv.weight_loader(qkv.weight, part, i)
+        lazy_down, lazy_embed = LazySlice(w["down"].float()), LazySlice(w["embed"].float())
+        down.weight_loader(down.weight, lazy_down)
+        embed.weight_loader(embed.weight, lazy_embed)
+        assert sum(p.read for p in parts) == qkv.weight.numel()  # a quarter of q, one of the two KV heads
+        assert lazy_down.read == down.weight.numel() == HIDDEN * INTER // 4
+        assert lazy_embed.read == (embed.end - embed.start) * HIDDEN
+        with pytest.raises(ValueError, match=r"has shape \(48, 32\), expected \(32, 48\)"):
+            down.weight_loader(down.weight, w["down"].T)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])  # 4 ranks over 2 KV heads: each KV head on two ranks
@@ -84,7 +125,7 @@ def test_sharded_layers_equal_the_full_weights(world: int, tmp_path: Path) -> No
 
 def test_a_split_that_does_not_divide_is_refused() -> None:
     from kvgate.engine.distributed.parallel_state import TensorParallelGroup
-    from kvgate.engine.models.linear import local_units
+    from kvgate.engine.models.parallel import local_units
 
     with pytest.raises(ValueError, match="6 units cannot be split evenly over 4 tensor-parallel ranks"):
         local_units(6, TensorParallelGroup(0, 4))

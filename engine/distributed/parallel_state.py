@@ -1,6 +1,13 @@
-"""The tensor-parallel group of this process (vLLM's names): its rank and size, and the two collectives the
-parallel layers use. Without init_tensor_parallel the group is this process alone (size 1), and every collective
-is the identity, so the layers of engine/models/linear.py run unchanged on one device."""
+"""The parallel groups of this process (vLLM's layout and names). With tensor_parallel_size T and
+pipeline_parallel_size P there are T x P ranks, tensor-parallel fastest: rank = stage * T + tp_rank.
+
+- the tensor-parallel group: the T ranks of this pipeline stage, and the collectives the parallel layers use;
+- the pipeline-parallel group: this rank's stage, and point-to-point sends of a step's hidden states to the same
+  tp_rank of the next stage (and of the logits from the last stage to rank 0, which samples);
+- the world group: every rank, with a CPU (gloo) group for what they agree on outside the model (the number of KV
+  blocks, each step's StepInput).
+Without init_model_parallel every group is this process alone (size 1) and every collective is the identity, so the
+layers of engine/models/parallel.py and the model run unchanged on one device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,24 +38,101 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=dim)
 
 
+@dataclass
+class PipelineParallelGroup:
+    rank: int = 0  # this rank's stage
+    world_size: int = 1  # stages
+    prev_rank: int | None = None  # the global rank this stage receives from (same tp_rank, previous stage)
+    next_rank: int | None = None  # and sends to
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    def send(self, tensors: list[torch.Tensor], dst: int | None = None) -> None:
+        """Send tensors (contiguous) to the next stage, or to global rank `dst`."""
+        for t in tensors:
+            dist.send(t.contiguous(), dst=self.next_rank if dst is None else dst)
+
+    def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+             src: int | None = None) -> list[torch.Tensor]:
+        """Receive tensors of these shapes from the previous stage, or from global rank `src`."""
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        for t in out:
+            dist.recv(t, src=self.prev_rank if src is None else src)
+        return out
+
+
+@dataclass
+class WorldGroup:
+    rank: int = 0
+    world_size: int = 1
+    cpu_group: Any = None  # gloo over every rank (None: the default group, when it is gloo itself)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t.item())
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """`obj` of rank `src` on every rank (pickled over the CPU group)."""
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        return box[0]
+
+
 _TP = TensorParallelGroup()
+_PP = PipelineParallelGroup()
+_WORLD = WorldGroup()
 
 
-def init_tensor_parallel(world_size: int, rank: int, backend: str, init_method: str = "env://") -> None:
-    """Join the tensor-parallel group of `world_size` ranks as `rank` (one group of every rank: no pipeline
-    stages yet)."""
-    global _TP
+def init_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, rank: int, backend: str,
+                        init_method: str = "env://", timeout_s: float | None = None) -> None:
+    """Join the tensor_parallel_size x pipeline_parallel_size ranks as global `rank` and set up its groups."""
+    global _TP, _PP, _WORLD
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    world = tp * pp
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank)
-    _TP = TensorParallelGroup(rank, world_size, None)
+        import datetime
+
+        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, **kwargs)
+    stage, tp_rank = divmod(rank, tp)
+    tp_group = None  # one stage: the default group
+    if pp > 1:
+        for s in range(pp):  # every rank creates every group, in the same order
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            if s == stage:
+                tp_group = g
+    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" and world > 1 else None
+    _TP = TensorParallelGroup(tp_rank, tp, tp_group)
+    _PP = PipelineParallelGroup(stage, pp, rank - tp if stage > 0 else None, rank + tp if stage < pp - 1 else None)
+    _WORLD = WorldGroup(rank, world, cpu_group)
 
 
 def get_tp_group() -> TensorParallelGroup:
     return _TP
 
 
-def destroy_tensor_parallel() -> None:
-    global _TP
+def get_pp_group() -> PipelineParallelGroup:
+    return _PP
+
+
+def get_world_group() -> WorldGroup:
+    return _WORLD
+
+
+def destroy_model_parallel() -> None:
+    global _TP, _PP, _WORLD
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP = TensorParallelGroup()
+    _TP, _PP, _WORLD = TensorParallelGroup(), PipelineParallelGroup(), WorldGroup()

@@ -1,24 +1,35 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm) from kvgate layers."""
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm) from kvgate layers, tensor
+parallel (engine/models/parallel.py): each rank holds num_heads / TP query heads and its share of the KV heads (one
+replicated KV head per rank where TP > num_kv_heads), and loads only its slices of the checkpoint; and pipeline
+parallel: a stage holds its range of layers (stage_layers), the first one the embedding, the last one the final
+norm and the LM head (a tied head loads the embedding's weights), and the others' layers are absent (None)."""
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
+from kvgate.engine.distributed.parallel_state import get_pp_group, get_tp_group
 from kvgate.engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, fused_ops, silu_and_mul
 from kvgate.engine.models.model_config import ModelConfig
+from kvgate.engine.models.parallel import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                           VocabParallelEmbedding, check_shape, local_units)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        tp, self.head_dim = get_tp_group(), cfg.head_dim
+        self.num_heads = local_units(cfg.num_attention_heads, tp)[1]  # this rank's
+        self.num_kv_heads = local_units(cfg.num_key_value_heads, tp)[1]
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        heads = (cfg.num_attention_heads, cfg.head_dim)
+        kv = (cfg.num_key_value_heads, cfg.head_dim)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [heads, kv, kv], bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # one table shared by all layers
@@ -40,8 +51,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        rows = (cfg.intermediate_size, 1)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [rows, rows], bias=False)
+        self.down_proj = RowParallelLinear(rows, cfg.hidden_size, bias=False)
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +80,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+    """The layers of pipeline stage `stage`: an even split, the first stages taking one more where it is uneven
+    (3 layers on 2 stages: [0, 1] and [2])."""
+    if num_stages > num_layers:
+        raise ValueError(f"{num_stages} pipeline stages need at least as many layers, the model has {num_layers}")
+    per, extra = divmod(num_layers, num_stages)
+    start = stage * per + min(stage, extra)
+    return range(start, start + per + (1 if stage < extra else 0))
+
+
 class LlamaForCausalLM(nn.Module):
     # HF checkpoint name -> (our parameter name, shard index) for the fused projections
     _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -80,58 +102,83 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.pooling = pooling
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        pp = get_pp_group()
+        self.first_stage, self.last_stage = pp.is_first, pp.is_last
+        self.layer_range = stage_layers(cfg.num_hidden_layers, pp.world_size, pp.rank)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size) if self.first_stage else None
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        untied = not cfg.tie_word_embeddings and not pooling
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if untied else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, rotary) if i in self.layer_range else None
+                                    for i in range(cfg.num_hidden_layers))
+        self.local_layers = [self.layers[i] for i in self.layer_range]
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.last_stage else None
+        # the LM head: None where tied to the embedding on this stage. The CPU path may replace it by a packed
+        # linear (world size 1); a tied head on a last stage without the embedding is a head of its own
+        self.tied_head = cfg.tie_word_embeddings and not self.first_stage and self.last_stage and not pooling
+        untied = (not cfg.tie_word_embeddings or self.tied_head) and not pooling and self.last_stage
+        self.lm_head: nn.Module | None = ParallelLMHead(cfg.vocab_size, cfg.hidden_size) if untied else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final (normed) hidden states on the last stage; on the others (hidden, residual) for the next stage,
+        which passes them back in as `intermediate`."""
+        if self.first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate  # type: ignore[misc]
+        for layer in self.local_layers:
             x, residual = layer(positions, x, residual)
+        if not self.last_stage:
+            return x, residual  # type: ignore[return-value]
         x, _ = self.norm(x, residual)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied embeddings
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        """float32 logits over the whole vocabulary (on every rank)."""
+        head = self.lm_head if self.lm_head is not None else self.embed_tokens
+        if isinstance(head, VocabParallelEmbedding):
+            return head.compute_logits(hidden).float()
+        return head(hidden).float()  # a packed CPU head
 
-    def _shard_sizes(self, fused: str) -> list[int]:
-        c = self.cfg
-        if fused == "qkv_proj":
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-            return [q, kv, kv]
-        return [c.intermediate_size, c.intermediate_size]
+    def _elsewhere(self, name: str) -> bool:
+        """A checkpoint tensor that another pipeline stage holds."""
+        if name.startswith("layers."):
+            return int(name.split(".")[1]) not in self.layer_range
+        return (name.startswith("embed_tokens.") and not self.first_stage) or \
+            (name.startswith(("norm.", "lm_head.")) and not self.last_stage)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the fused parameters; every parameter must be written exactly once."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named tensors (or lazy safetensors slices) into the parameters, each rank its slice, q/k/v and
+        gate/up into their fused parameters; every parameter must be written exactly once."""
         params = dict(self.named_parameters())
         pending = {name: set(range(3 if "qkv_proj" in name else 2 if "gate_up" in name else 1)) for name in params}
         for hf_name, tensor in weights:
             name = re.sub(r"^model\.", "", hf_name)
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if self.tied_head and name == "embed_tokens.weight":
+                name = "lm_head.weight"  # this stage's head is the embedding of the first
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None) or self._elsewhere(name):
                 continue
-            shard = 0
+            shard, stacked = 0, False
             parts = name.split(".")
             if len(parts) >= 2 and parts[-2] in self._STACKED:
-                fused, shard = self._STACKED[parts[-2]]
+                (fused, shard), stacked = self._STACKED[parts[-2]], True
                 name = ".".join(parts[:-2] + [fused, parts[-1]])
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.cfg.architecture}")
             param = params[name]
-            target = param.data
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias", "gate_up_proj.weight")):
-                sizes = self._shard_sizes(name.split(".")[-2])
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            target.copy_(tensor)
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is None:
+                    check_shape(tensor, param.shape)
+                    param.data.copy_(tensor[:])
+                elif stacked:  # q, k or v; gate or up
+                    loader(param, tensor, shard)
+                else:
+                    loader(param, tensor)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {hf_name!r} {e}") from None
             pending[name].discard(shard)
-        missing = sorted(n for n, left in pending.items() if left)
+        missing = sorted(n for n, left in pending.items() if left)  # (this stage's)
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" …" if len(missing) > 8 else ""))

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+import zlib
+from typing import Any, Iterator
 
 import torch
 
@@ -23,29 +24,40 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in names]
 
 
-def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every checkpoint tensor: a tensor-parallel rank reads only the rows or columns it
+    holds (engine/models/parallel.py)."""
     from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as e:
             raise ValueError(f"cannot read weights file {path}: {e}") from e
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights (norms 1.0): each parameter's full tensor is drawn on CPU from a generator seeded by `seed` and
+    the parameter's name, so the numbers depend on neither the device nor the tensor- or pipeline-parallel sizes (a
+    stage draws only its own parameters; a tied head drawn as the embedding), and each rank keeps its slice."""
+    step = 1 << 24
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
-        else:  # generate on CPU in chunks so the numbers do not depend on the device
-            flat = p.data.view(-1)
-            step = 1 << 24
-            for i in range(0, flat.numel(), step):
-                n = min(step, flat.numel() - i)
-                flat[i:i + n].copy_(torch.randn(n, generator=gen) * 0.02)
+            continue
+        drawn_as = "embed_tokens.weight" if name == "lm_head.weight" and getattr(model, "tied_head", False) else name
+        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(drawn_as.encode()))
+        loader = getattr(p, "weight_loader", None)
+        full_shape = getattr(p, "full_shape", tuple(p.shape))
+        full = p.data if loader is None else torch.empty(full_shape, dtype=p.dtype)
+        flat = full.view(-1)
+        for i in range(0, flat.numel(), step):  # in chunks: no float32 copy of a whole large tensor
+            n = min(step, flat.numel() - i)
+            flat[i:i + n].copy_(torch.randn(n, generator=gen) * 0.02)
+        if loader is not None:
+            loader(p, full)
 
 
 def get_model(cfg: ModelConfig, model_path: str, load_format: str, dtype: torch.dtype,

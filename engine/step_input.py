@@ -1,0 +1,124 @@
+"""StepInput: what one step asks of every rank's ModelRunner (vLLM's SchedulerOutput, as plain data).
+
+The engine core schedules once; the runners (one per rank, some in other processes) never read the scheduler's live
+Sequence objects. Each keeps its own copy of every sequence it is running (token ids and block table, RunnerState),
+and a step's message only carries what changed since the last one:
+- sequences scheduled for the first time (or again after a preemption dropped their blocks): all their token ids and
+  their block table;
+- for the others, the tokens sampled since (one per decode step) and the blocks added;
+- the sequences whose blocks were dropped (finished, aborted, preempted), which the runners forget;
+- per scheduled sequence (decodes first): how many tokens it computes and how many are already in the KV cache.
+So what crosses a process each step is a few integers per sequence, whatever the prompt lengths. The additions are
+flat lists of ints (no object per sequence), which keeps a step's allocations, and the garbage collector's work,
+small.
+
+StepInputBuilder (engine side) remembers what the runners were sent; RunnerState (runner side) applies a message.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgate.engine.sequence import Sequence
+
+
+@dataclass
+class NewSequence:
+    seq_id: int
+    token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass
+class StepInput:
+    seq_ids: list[int] = field(default_factory=list)  # the scheduled sequences, decodes first
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
+    num_computed_tokens: list[int] = field(default_factory=list)  # its tokens already in the KV cache
+    new_seqs: list[NewSequence] = field(default_factory=list)
+    # what known sequences gained since their last step, flat: the i-th of added_seq_ids gained added_num_tokens[i]
+    # tokens (in order in added_tokens) and added_num_blocks[i] blocks (in added_blocks)
+    added_seq_ids: list[int] = field(default_factory=list)
+    added_num_tokens: list[int] = field(default_factory=list)
+    added_tokens: list[int] = field(default_factory=list)
+    added_num_blocks: list[int] = field(default_factory=list)
+    added_blocks: list[int] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)  # sequences to forget (before new_seqs are read)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_ids)
+
+
+class StepInputBuilder:
+    """The engine's record of what the runners hold: per sequence, how many of its tokens and blocks were sent."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int]] = {}  # seq id -> [tokens sent, blocks sent]
+
+    def build(self, scheduled: list[tuple[Sequence, int]], freed: list[int]) -> StepInput:
+        """The message for the scheduled (seq, new tokens) pairs; `freed`: ids of the sequences whose blocks were
+        dropped since the last message (BlockManager.take_freed)."""
+        sent = self.sent
+        msg = StepInput([s.seq_id for s, _ in scheduled], [n for _, n in scheduled],
+                        [s.num_computed_tokens for s, _ in scheduled],
+                        freed=[i for i in freed if sent.pop(i, None) is not None])
+        add_id, add_nt, add_nb = msg.added_seq_ids.append, msg.added_num_tokens.append, msg.added_num_blocks.append
+        add_token, add_block = msg.added_tokens.append, msg.added_blocks.append
+        for seq, _ in scheduled:
+            sid, tokens, table = seq.seq_id, seq.token_ids, seq.block_table
+            known = sent.get(sid)
+            if known is None:
+                msg.new_seqs.append(NewSequence(sid, list(tokens), list(table)))
+                sent[sid] = [len(tokens), len(table)]
+                continue
+            nt, nb = len(tokens) - known[0], len(table) - known[1]
+            if nt or nb:
+                add_id(sid)
+                add_nt(nt)
+                add_nb(nb)
+                if nt == 1:
+                    add_token(tokens[-1])
+                elif nt:
+                    msg.added_tokens.extend(tokens[known[0]:])
+                if nb == 1:
+                    add_block(table[-1])
+                elif nb:
+                    msg.added_blocks.extend(table[known[1]:])
+                known[0] += nt
+                known[1] += nb
+        return msg
+
+
+@dataclass
+class SeqState:
+    token_ids: list[int]
+    block_table: list[int]
+
+
+class RunnerState:
+    """A runner's copy of the sequences it runs, kept up to date by each step's message."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, SeqState] = {}
+
+    def apply(self, msg: StepInput) -> list[SeqState]:
+        """Take the message's changes; returns the scheduled sequences' states, in its order."""
+        seqs = self.seqs
+        for sid in msg.freed:
+            seqs.pop(sid, None)
+        for new in msg.new_seqs:
+            seqs[new.seq_id] = SeqState(new.token_ids, new.block_table)
+        t = b = 0
+        tokens, blocks = msg.added_tokens, msg.added_blocks
+        for sid, nt, nb in zip(msg.added_seq_ids, msg.added_num_tokens, msg.added_num_blocks):
+            s = seqs[sid]
+            if nt == 1:
+                s.token_ids.append(tokens[t])
+            elif nt:
+                s.token_ids.extend(tokens[t:t + nt])
+            if nb == 1:
+                s.block_table.append(blocks[b])
+            elif nb:
+                s.block_table.extend(blocks[b:b + nb])
+            t += nt
+            b += nb
+        return [seqs[sid] for sid in msg.seq_ids]
