@@ -85,20 +85,35 @@ class Executor:
             threading.Thread(target=self._watch, name="kvgate-tp-watch", daemon=True).start()
 
     # ---- steps ---------------------------------------------------------------------------------------------------
+    @property
+    def pipeline_depth(self) -> int:
+        """Steps that may be in flight at once: one per pipeline stage (vLLM's virtual engines)."""
+        return self.config.args.pipeline_parallel_size
+
     def execute(self, step: StepInput) -> torch.Tensor:
-        return self._run("execute", step)
+        return self.finish(self.start(step))
+
+    def start(self, step: StepInput) -> Any:
+        """Start a step on every rank; its logits come from finish(), in the order steps started."""
+        return self._guard(lambda: self._tell(("execute", step)) or self.runner.start(step))
+
+    def finish(self, started: Any) -> torch.Tensor:
+        return self._guard(lambda: self.runner.finish(started))
 
     def execute_hidden(self, step: StepInput) -> torch.Tensor:
-        return self._run("execute_hidden", step)
+        return self._guard(lambda: self._tell(("execute_hidden", step)) or self.runner.execute_hidden(step))
 
-    def _run(self, kind: str, step: StepInput) -> torch.Tensor:
+    def _tell(self, msg: Any) -> None:
+        if self.world_size > 1:
+            get_world_group().broadcast_object(msg, src=0)
+
+    def _guard(self, fn: Any) -> Any:
         if self.world_size == 1:
-            return getattr(self.runner, kind)(step)
+            return fn()
         if self.dead is not None:
             raise RuntimeError(self.dead)
         try:
-            get_world_group().broadcast_object((kind, step), src=0)
-            return getattr(self.runner, kind)(step)
+            return fn()
         except Exception as e:  # the ranks are out of step now (a rank died, or this one failed mid-step)
             self._die(f"a parallel step failed ({type(e).__name__}: {e}): the ranks are out of step")
             raise RuntimeError(self.dead) from e

@@ -4,6 +4,7 @@ Guided requests (SamplingParams.structured_outputs) wait for their grammar in th
 (engine/structured_output/) before they are scheduled; their sampled rows are masked by it."""
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any, Iterable
@@ -63,6 +64,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
+        # steps started and not completed (more than one only with pipeline stages), and their sequences
+        self.in_flight: collections.deque[tuple[list[tuple[Sequence, int]], list[bool], Any]] = collections.deque()
+        self.in_flight_seqs: set[Sequence] = set()
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
                                    a.scheduler_delay, a.priority_aging_rate)
@@ -201,33 +205,68 @@ class LLMEngine:
         return len(self.requests)
 
     def shutdown(self) -> None:
-        """End the tensor-parallel workers, if any (the engine cannot step afterwards)."""
+        """End the parallel workers, if any (the engine cannot step afterwards); steps in flight are completed
+        first, their results dropped."""
+        while self.in_flight and self.executor.dead is None:
+            try:
+                self.executor.finish(self.in_flight.popleft()[2])
+            except RuntimeError:
+                break
         self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
+        """Schedule and run a step, sample its tokens and return the outputs. With pipeline stages, up to one step
+        per stage is in flight (vLLM's virtual engines): a call starts a step over sequences not already in flight
+        and returns [] while there is room for another; otherwise it completes the oldest."""
         so = self.structured_output_manager
         if so.waiting:
             self._release_guided()
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            wake = self.scheduler.next_wakeup
-            if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
-                time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
-            elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
-                so.wait(0.05)
-            return []
-        if self.pooler is not None:
-            return self._pooling_step(out.scheduled)
-        logits = self.executor.execute(self._step_input(out.scheduled))
+        depth = self.executor.pipeline_depth
+        if len(self.in_flight) < depth:
+            cap = None
+            if depth > 1:  # the steps in flight share the sequences: each takes its part
+                sched = self.scheduler
+                cap = max(1, -(-min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs) // depth))
+            out = self.scheduler.schedule(exclude=self.in_flight_seqs, max_seqs=cap)
+            if not out.is_empty:
+                if self.pooler is not None:
+                    return self._pooling_step(out.scheduled)
+                needs_logits = [seq.num_computed_tokens + n == len(seq) for seq, n in out.scheduled]
+                started = self.executor.start(self._step_input(out.scheduled))
+                self.in_flight.append((out.scheduled, needs_logits, started))
+                self.in_flight_seqs.update(seq for seq, _ in out.scheduled)
+                if len(self.in_flight) < depth:
+                    return []  # room for one more step on the stages before this one's logits are needed
+            elif not self.in_flight:
+                wake = self.scheduler.next_wakeup
+                if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
+                    time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+                elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
+                    so.wait(0.05)
+                return []
+        scheduled, needs_logits, started = self.in_flight.popleft()
+        self.in_flight_seqs.difference_update(seq for seq, _ in scheduled)
+        return self._complete(scheduled, needs_logits, self.executor.finish(started))
+
+    def _complete(self, scheduled: list[tuple[Sequence, int]], needs_logits: list[bool], logits: torch.Tensor
+                  ) -> list[EngineOutput]:
+        """A step's results: computed tokens, prefix-cache blocks, forks, sampled tokens, outputs. A sequence that
+        finished while its step was in flight (aborted) is skipped."""
+        so = self.structured_output_manager
         self.num_steps += 1
-        sampling = [seq for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)]
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+        sampling: list[tuple[int, Sequence]] = []  # (its logits row, seq)
+        row = 0
+        for (seq, n), needs in zip(scheduled, needs_logits):
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+                if needs:
+                    sampling.append((row, seq))
+            row += needs
         rows: list[Sequence] = []
         index: list[int] = []
-        for i, seq in enumerate(sampling):
+        for i, seq in sampling:
             req = seq.request
             targets = [seq]
             if seq.index == 0 and req.sampling_params.n > 1 and not req.forked:

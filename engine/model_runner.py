@@ -235,21 +235,38 @@ class ModelRunner:
         if self.pp.is_last and not self.model.pooling:
             self.model.compute_logits(out[:logits_rows])
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """Run one step; returns float32 logits for every sequence whose tokens are now all computed, on global
-        rank 0 (and the last pipeline stage); None on the other ranks."""
+        rank 0; None on the other ranks."""
+        return self.finish(self.start(step))
+
+    @torch.inference_mode()
+    def start(self, step: StepInput) -> tuple[torch.Tensor | None, int]:
+        """This rank's part of a step: (its logits where it has them, the number of logits rows). With pipeline
+        stages rank 0 only runs the first stage here and takes the logits later (finish), so that it can start the
+        next batch while the other stages work on this one; the last stage sends them without waiting."""
         hidden, rows = self._forward(step)
-        vocab = self.config.model_config.vocab_size
         logits = None
         if hidden is not None:  # the last stage
             if not rows:
-                logits = hidden.new_empty((0, vocab), dtype=torch.float32)
+                logits = hidden.new_empty((0, self.config.model_config.vocab_size), dtype=torch.float32)
             else:
                 if len(rows) < hidden.shape[0]:
                     hidden = hidden[torch.tensor(rows, device=self.device)]
                 logits = self.model.compute_logits(hidden)
-        return self._to_rank0(logits, (len(rows), vocab), torch.float32)
+            if self.pp.world_size > 1 and get_world_group().rank == self._last_stage_first_rank:
+                self.pp.send([logits], dst=0)
+        return logits, len(rows)
+
+    def finish(self, started: tuple[torch.Tensor | None, int]) -> torch.Tensor | None:
+        """The logits of a started step on rank 0 (received from the last stage, in the order steps started)."""
+        logits, n = started
+        if self.pp.world_size == 1:
+            return logits
+        if get_world_group().rank != 0:
+            return None
+        shape = (n, self.config.model_config.vocab_size)
+        return self.pp.recv([shape], torch.float32, self.device, src=self._last_stage_first_rank)[0]
 
     @torch.inference_mode()
     def execute_hidden(self, step: StepInput) -> torch.Tensor | None:
@@ -257,20 +274,19 @@ class ModelRunner:
         [num_tokens, hidden_size] in the model's dtype, flat in the scheduled order (each sequence's new tokens
         one after another), on global rank 0; None on the other ranks."""
         hidden, _ = self._forward(step)
-        shape = (sum(step.num_new_tokens), self.config.model_config.hidden_size)
-        return self._to_rank0(hidden, shape, self.config.dtype)
-
-    def _to_rank0(self, out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
-        """The last stage's result, moved to global rank 0 where that is another stage (its first tp rank sends)."""
         if self.pp.world_size == 1:
-            return out
+            return hidden
         rank = get_world_group().rank
-        last_first = (self.pp.world_size - 1) * get_tp_group().world_size  # the last stage's first rank
-        if rank == last_first:
-            self.pp.send([out], dst=0)  # type: ignore[list-item]
+        if rank == self._last_stage_first_rank:
+            self.pp.send([hidden], dst=0)  # type: ignore[list-item]
         elif rank == 0:
-            return self.pp.recv([shape], dtype, self.device, src=last_first)[0]
-        return out if rank == 0 else None
+            shape = (sum(step.num_new_tokens), self.config.model_config.hidden_size)
+            return self.pp.recv([shape], self.config.dtype, self.device, src=self._last_stage_first_rank)[0]
+        return None
+
+    @property
+    def _last_stage_first_rank(self) -> int:
+        return (self.pp.world_size - 1) * get_tp_group().world_size
 
     def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, list[int]]:
         """This stage's part of one step: (the last stage's final hidden states of every scheduled token, else None;

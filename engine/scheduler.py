@@ -39,6 +39,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.next_wakeup: float | None = None  # when held prefills become due (None: nothing held)
+        self._exclude: set[Sequence] | frozenset = frozenset()
+        self._max_seqs: int | None = None
 
     # ---- queue bookkeeping -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -93,9 +95,14 @@ class Scheduler:
         return self.seats_needed(seq) * self.bm.blocks_needed(longest) - len(seq.block_table)
 
     # ---- the step ------------------------------------------------------------------------------------------
-    def schedule(self, now: float | None = None) -> SchedulerOutput:
+    def schedule(self, now: float | None = None, exclude: set[Sequence] | frozenset = frozenset(),
+                 max_seqs: int | None = None) -> SchedulerOutput:
+        """`exclude`: running sequences whose last step is still in flight (pipeline stages): neither scheduled nor
+        preempted now; `max_seqs`: at most this many sequences this step (so that the stages' steps in flight share
+        the running ones; vLLM's virtual engines each schedule max_num_seqs / stages)."""
         now = time.monotonic() if now is None else now
-        self._now, self._out = now, SchedulerOutput()
+        self._now, self._out, self._exclude = now, SchedulerOutput(), exclude
+        self._max_seqs = max_seqs
         self._planned: dict[Sequence, int] = {}
         self._budget = self.max_num_batched_tokens
 
@@ -107,8 +114,10 @@ class Scheduler:
         for s in self.running:
             (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else chunks).append(s)
         for seq in decodes + chunks:
-            if seq.status != SequenceStatus.RUNNING or self._budget <= 0:
+            if seq.status != SequenceStatus.RUNNING or self._budget <= 0 or seq in exclude:
                 continue
+            if self._max_seqs is not None and len(self._planned) >= self._max_seqs:
+                break
             n = min(len(seq) - seq.num_computed_tokens, self._budget)
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._lowest_running() if self.enable_preemption else None
@@ -150,7 +159,8 @@ class Scheduler:
     def _lowest_running(self, below: float | None = None) -> Sequence | None:
         """The preemption victim: lowest (effective) priority, newest; only below `below` if given."""
         now = self._now
-        cands = [s for s in self.running if below is None or self.effective_priority(s, now) < below]
+        cands = [s for s in self.running if (below is None or self.effective_priority(s, now) < below)
+                 and s not in self._exclude]
         return max(cands, key=lambda s: self._order(s, now)) if cands else None
 
     def _admit(self) -> None:
@@ -163,7 +173,7 @@ class Scheduler:
             self.next_wakeup = min(deadlines)
             return
         for seq in list(self.waiting):
-            if self._budget <= 0:
+            if self._budget <= 0 or (self._max_seqs is not None and len(self._planned) >= self._max_seqs):
                 return
             prio = self.effective_priority(seq, now)
             seats = self.seats_needed(seq)

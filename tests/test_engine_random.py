@@ -143,9 +143,9 @@ def instrument(engine) -> None:
         assert order_key(victim, rate) == max(order_key(s, rate) for s in sched.running), "wrong victim"
         orig_preempt(victim)
 
-    def schedule(now=None):
+    def schedule(now=None, **kw):
         before = list(sched.waiting)
-        out = orig_schedule(now)
+        out = orig_schedule(now, **kw)
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert all(n >= 1 for _, n in out.scheduled)
         assert len({s.seq_id for s, _ in out.scheduled}) == len(out.scheduled)

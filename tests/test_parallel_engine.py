@@ -58,7 +58,8 @@ def test_greedy_tokens_are_transformers(tiny_model_dirs: dict[str, str], tmp_pat
 
 def test_preemption_forks_and_aborts_keep_every_rank_in_step(tiny_llama: str) -> None:
     """A KV cache so small that requests are preempted and recomputed, n=2 samples forked from a prompt, and an
-    abort: the runners only ever see step messages, and their copies of the sequences stay those of the engine."""
+    abort: the runners only ever see step messages, and their copies of the sequences stay those of the engine. With
+    two pipeline stages two steps are in flight (each over other sequences), and the outputs are the same."""
     prompts = random_prompts(6, seed=3, min_len=20, max_len=40)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     forked = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=10, ignore_eos=True)
@@ -67,6 +68,9 @@ def test_preemption_forks_and_aborts_keep_every_rank_in_step(tiny_llama: str) ->
         llm = LLM(tiny_llama, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_gpu_blocks_override=12,
                   max_num_seqs=4)
         engine = llm.engine
+        busy: list[int] = []  # steps already in flight when each step started
+        start = engine.executor.start
+        engine.executor.start = lambda step: busy.append(len(engine.in_flight)) or start(step)  # type: ignore
         try:
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
@@ -90,6 +94,7 @@ def test_preemption_forks_and_aborts_keep_every_rank_in_step(tiny_llama: str) ->
                         assert st.token_ids == seq.token_ids[: len(st.token_ids)]
                         assert len(seq.token_ids) - len(st.token_ids) <= 1  # at most the token just sampled
             assert engine.scheduler.num_preemptions > 0
+            assert max(busy) == pp - 1  # with two stages, a step starts while the last one is still on them
             assert_engine_idle(llm)
             results[tp, pp] = outs
         finally:
@@ -235,3 +240,7 @@ def test_pipeline_stages_split_the_layers_evenly_first_stages_taking_the_rest() 
     assert [list(stage_layers(4, 4, s)) for s in range(4)] == [[0], [1], [2], [3]]
     with pytest.raises(ValueError, match="3 pipeline stages need at least as many layers, the model has 2"):
         stage_layers(2, 3, 0)
+    assert [list(stage_layers(5, 2, s, "4,1")) for s in range(2)] == [[0, 1, 2, 3], [4]]  # KVGATE_PP_LAYER_PARTITION
+    for bad in ("4,2", "5,0", "2,2,1", "a,b"):
+        with pytest.raises(ValueError, match=f"the layer partition '{bad}' must give each of the 2 pipeline stages"):
+            stage_layers(5, 2, 0, bad)

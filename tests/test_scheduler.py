@@ -90,8 +90,8 @@ def record_schedules(engine) -> list[dict]:
     sched = engine.scheduler
     orig = sched.schedule
 
-    def wrapped(now: float | None = None) -> SchedulerOutput:
-        out = orig(now)
+    def wrapped(now: float | None = None, **kw) -> SchedulerOutput:
+        out = orig(now, **kw)
         log.append({
             "items": [(s.request.request_id, n, len(s) - s.num_computed_tokens == 1) for s, n in out.scheduled],
             "running": len(sched.running),

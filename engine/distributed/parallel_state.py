@@ -10,7 +10,8 @@ Without init_model_parallel every group is this process alone (size 1) and every
 layers of engine/models/parallel.py and the model run unchanged on one device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import pickle
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class PipelineParallelGroup:
     world_size: int = 1  # stages
     prev_rank: int | None = None  # the global rank this stage receives from (same tp_rank, previous stage)
     next_rank: int | None = None  # and sends to
+    _sends: list = field(default_factory=list)  # (work, tensor) of sends not known to be done
 
     @property
     def is_first(self) -> bool:
@@ -54,9 +56,17 @@ class PipelineParallelGroup:
         return self.rank == self.world_size - 1
 
     def send(self, tensors: list[torch.Tensor], dst: int | None = None) -> None:
-        """Send tensors (contiguous) to the next stage, or to global rank `dst`."""
+        """Send tensors to the next stage, or to global rank `dst`, without waiting for the receiver (a stage goes on
+        with the next batch meanwhile); the previous sends are completed first."""
+        self.wait_sends()
         for t in tensors:
-            dist.send(t.contiguous(), dst=self.next_rank if dst is None else dst)
+            t = t.contiguous()
+            self._sends.append((dist.isend(t, dst=self.next_rank if dst is None else dst), t))
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
 
     def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
              src: int | None = None) -> list[torch.Tensor]:
@@ -72,6 +82,7 @@ class WorldGroup:
     rank: int = 0
     world_size: int = 1
     cpu_group: Any = None  # gloo over every rank (None: the default group, when it is gloo itself)
+    _sends: list = field(default_factory=list)  # (work, tensor) of objects sent and maybe not received yet
 
     def min_over_ranks(self, value: int) -> int:
         """The smallest of every rank's `value`."""
@@ -82,13 +93,34 @@ class WorldGroup:
         return int(t.item())
 
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """`obj` of rank `src` on every rank (pickled over the CPU group)."""
+        """`obj` of rank `src` on every rank. The source sends it (pickled, over the CPU group) to each other rank
+        without waiting for them, so that rank 0 can start the next step while a pipeline stage still works on this
+        one; the others wait for it. Objects arrive in the order they were sent."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
-        return box[0]
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.long)
+            self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]
+            for r in range(self.world_size):
+                if r != src:
+                    for t in (size, data):
+                        self._sends.append((dist.isend(t, r, group=self.cpu_group, tag=OBJECT_TAG), t))
+            return obj
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, src, group=self.cpu_group, tag=OBJECT_TAG)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src, group=self.cpu_group, tag=OBJECT_TAG)
+        return pickle.loads(data.numpy().tobytes())
 
+    def wait_sends(self) -> None:
+        """Until every object sent has been received."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+
+OBJECT_TAG = 7  # point-to-point tag of the objects (steps), apart from the stages' tensors (tag 0)
 
 _TP = TensorParallelGroup()
 _PP = PipelineParallelGroup()
@@ -134,5 +166,10 @@ def get_world_group() -> WorldGroup:
 def destroy_model_parallel() -> None:
     global _TP, _PP, _WORLD
     if dist.is_initialized():
+        try:  # what this rank sent must arrive before the group goes
+            _WORLD.wait_sends()
+            _PP.wait_sends()
+        except RuntimeError:  # a peer is gone: nothing to wait for
+            pass
         dist.destroy_process_group()
     _TP, _PP, _WORLD = TensorParallelGroup(), PipelineParallelGroup(), WorldGroup()

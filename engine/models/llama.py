@@ -5,6 +5,7 @@ parallel: a stage holds its range of layers (stage_layers), the first one the em
 norm and the LM head (a tied head loads the embedding's weights), and the others' layers are absent (None)."""
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Iterable
 
@@ -80,11 +81,24 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-def stage_layers(num_layers: int, num_stages: int, stage: int) -> range:
+def stage_layers(num_layers: int, num_stages: int, stage: int, partition: str | None = None) -> range:
     """The layers of pipeline stage `stage`: an even split, the first stages taking one more where it is uneven
-    (3 layers on 2 stages: [0, 1] and [2])."""
+    (3 layers on 2 stages: [0, 1] and [2]); or `partition`, the number of layers of each stage, comma-separated
+    (default: $KVGATE_PP_LAYER_PARTITION, vLLM's VLLM_PP_LAYER_PARTITION; e.g. "17,13" to give the last stage,
+    which also runs the LM head, fewer layers)."""
     if num_stages > num_layers:
         raise ValueError(f"{num_stages} pipeline stages need at least as many layers, the model has {num_layers}")
+    partition = os.environ.get("KVGATE_PP_LAYER_PARTITION") if partition is None else partition
+    if partition:
+        try:
+            sizes = [int(x) for x in partition.split(",")]
+        except ValueError:
+            sizes = []
+        if len(sizes) != num_stages or sum(sizes) != num_layers or min(sizes) < 1:
+            raise ValueError(f"the layer partition {partition!r} must give each of the {num_stages} pipeline "
+                             f"stages at least one layer, {num_layers} in all")
+        start = sum(sizes[:stage])
+        return range(start, start + sizes[stage])
     per, extra = divmod(num_layers, num_stages)
     start = stage * per + min(stage, extra)
     return range(start, start + per + (1 if stage < extra else 0))
