@@ -1,7 +1,7 @@
 """Executor: runs each step on every rank. Rank 0's ModelRunner lives in this process (the engine core, which samples
 from the logits); with N = tensor_parallel_size x pipeline_parallel_size > 1 the other ranks are workers
-(engine/worker.py), each told every step by one broadcast of the StepInput over torch.distributed; the last
-pipeline stage sends the logits back to rank 0.
+(engine/worker.py), each sent every step's StepInput over torch.distributed (point to point from rank 0, which does
+not wait for them: WorldGroup.broadcast_object); the last pipeline stage sends the logits back to rank 0.
 
 distributed_executor_backend:
 - "mp" (the default for N > 1): this process starts ranks 1..N-1 on this host (`python -m kvgate.engine.worker`,

@@ -1,7 +1,7 @@
 """A worker: one rank's ModelRunner (its tensor-parallel slice of its pipeline stage), stepping as rank 0 (the engine
 core) tells it.
 
-The engine core schedules once and broadcasts each step's StepInput (engine/step_input.py) over the ranks' CPU group;
+The engine core schedules once and sends each step's StepInput (engine/step_input.py) to every rank over the CPU group;
 every rank runs its part of the same step (the parallel layers' all-reduces, the logits' all-gather and the stages'
 sends meet there), and rank 0 samples. A broadcast of None ends the loop.
 

@@ -147,7 +147,8 @@ def test_tensor_parallel_size_is_checked_against_the_model(tiny_llama: str) -> N
         EngineConfig.from_args(EngineArgs(model=tiny_llama, tensor_parallel_size=3))
     with pytest.raises(ArgError, match="distributed_executor_backend uni runs one rank"):
         EngineArgs(model=tiny_llama, tensor_parallel_size=2, distributed_executor_backend="uni").check()
-    with pytest.raises(ArgError, match="pipeline_parallel_size must be at most the 2 layers of LlamaForCausalLM, got 3"):
+    with pytest.raises(ArgError, match="pipeline_parallel_size must be at most the 2 layers of LlamaForCausalLM, "
+                                       "got 3"):
         EngineConfig.from_args(EngineArgs(model=tiny_llama, pipeline_parallel_size=3))
     assert EngineArgs(distributed_executor_backend="external").executor_backend == "external_launcher"
     assert EngineArgs(tensor_parallel_size=2).executor_backend == "mp"
