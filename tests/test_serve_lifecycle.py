@@ -50,11 +50,11 @@ def wait_for(cond, what: str, timeout: float = 60.0) -> None:
 
 
 def refused(base: str) -> bool:
-    """No answer from the server: the connection is refused (or closed unanswered, when it came just as the
+    """No answer from the server: the connection is refused (or closed or reset unanswered, when it came just as the
     listening socket was being closed)."""
     try:
         httpx.get(f"{base}/health", timeout=5)
-    except (httpx.ConnectError, httpx.RemoteProtocolError):
+    except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
         return True
     return False
 
