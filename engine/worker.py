@@ -45,8 +45,23 @@ def init_rank(config: EngineConfig, rank: int, local_rank: int, init_method: str
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // min(world_size, os.cpu_count() or 1)))
     backend = "nccl" if config.device.type == "cuda" else "gloo"
-    init_model_parallel(a.tensor_parallel_size, a.pipeline_parallel_size, rank, backend, init_method)
+    init_model_parallel(a.tensor_parallel_size, a.pipeline_parallel_size, rank, backend, init_method,
+                        execute_model_timeout_s())
     return config
+
+
+def execute_model_timeout_s() -> float:
+    """How long a step may wait on another rank before it fails (a rank that hangs: its peers give up, and the
+    engine core exits to be restarted): KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 by default, as vLLM's
+    VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS. The same on every rank; it also bounds the rendezvous at start."""
+    value = os.environ.get("KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS", "300")
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS must be a number of seconds > 0, not {value!r}")
+    return seconds
 
 
 def serve_steps(runner) -> None:

@@ -233,6 +233,59 @@ def test_a_killed_worker_takes_the_engine_core_down_and_it_restarts_whole(tiny_l
         eng.shutdown()
 
 
+def gone(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def test_a_hung_worker_fails_its_step_after_the_timeout_and_an_idle_one_waits_as_long_as_it_likes(
+        tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS=10: idle for longer than that, the workers still answer; a worker
+    stopped (SIGSTOP) mid-stream makes rank 0's all-reduce give up after 10 s, the engine core exits and a new one
+    (new workers) serves; the stopped worker went with its core."""
+    monkeypatch.setenv("KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS", "10")
+    eng = AsyncLLMEngine(AsyncEngineArgs(model=tiny_llama, engine_core_process=True, tensor_parallel_size=2,
+                                         max_engine_core_restarts=1))
+    short = SamplingParams(temperature=0.0, max_tokens=4)
+
+    async def served(request_id: str) -> bool:
+        outs = [o async for o in eng.generate([5, 6, 7], short, request_id)]
+        return outs[-1].finished
+
+    async def main() -> None:
+        await eng.wait_until_ready(timeout=120)
+        (first,) = worker_pids(eng.core_pid)
+        await asyncio.sleep(12)  # idle past the timeout: the wait for the next step has none
+        assert await asyncio.wait_for(served("after idle"), 60) and eng.num_restarts == 0
+        gen = eng.generate([5, 6, 7], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4000), "hung")
+        await gen.__anext__()
+        os.kill(first, signal.SIGSTOP)
+        with pytest.raises(EngineDeadError, match="restarting it"):
+            while True:
+                await asyncio.wait_for(gen.__anext__(), timeout=60)
+        assert await asyncio.wait_for(served("after the hang"), 120) and eng.num_restarts == 1
+        (second,) = worker_pids(eng.core_pid)
+        assert second != first and gone(first)
+
+    try:
+        asyncio.run(main())
+    finally:
+        eng.shutdown()
+
+
+def test_the_step_timeout_must_be_a_positive_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvgate.engine.worker import execute_model_timeout_s
+
+    assert execute_model_timeout_s() == 300.0
+    for bad in ("0", "-5", "soon", "nan"):
+        monkeypatch.setenv("KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS", bad)
+        with pytest.raises(ValueError, match=f"KVGATE_EXECUTE_MODEL_TIMEOUT_SECONDS must be a number of seconds > 0, "
+                                             f"not '{bad}'"):
+            execute_model_timeout_s()
+
+
 def test_pipeline_stages_split_the_layers_evenly_first_stages_taking_the_rest() -> None:
     from kvgate.engine.models.llama import stage_layers
 

@@ -5,11 +5,14 @@ pipeline_parallel_size P there are T x P ranks, tensor-parallel fastest: rank = 
 - the pipeline-parallel group: this rank's stage, and point-to-point sends of a step's hidden states to the same
   tp_rank of the next stage (and of the logits from the last stage to rank 0, which samples);
 - the world group: every rank, with a CPU (gloo) group for what they agree on outside the model (the number of KV
-  blocks, each step's StepInput).
+  blocks) and another for each step's StepInput, which a worker may wait for as long as the server is idle.
+Every collective and stage-to-stage transfer of a step times out after `timeout_s` (a rank that hangs makes the
+step fail: engine/executor.py); only the wait for the next StepInput has no limit.
 Without init_model_parallel every group is this process alone (size 1) and every collective is the identity, so the
 layers of engine/models/parallel.py and the model run unchanged on one device."""
 from __future__ import annotations
 
+import datetime
 import pickle
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +85,7 @@ class WorldGroup:
     rank: int = 0
     world_size: int = 1
     cpu_group: Any = None  # gloo over every rank (None: the default group, when it is gloo itself)
+    message_group: Any = None  # gloo over every rank, without a practical timeout: the StepInputs
     _sends: list = field(default_factory=list)  # (work, tensor) of objects sent and maybe not received yet
 
     def min_over_ranks(self, value: int) -> int:
@@ -105,12 +109,12 @@ class WorldGroup:
             for r in range(self.world_size):
                 if r != src:
                     for t in (size, data):
-                        self._sends.append((dist.isend(t, r, group=self.cpu_group, tag=OBJECT_TAG), t))
+                        self._sends.append((dist.isend(t, r, group=self.message_group, tag=OBJECT_TAG), t))
             return obj
         size = torch.empty(1, dtype=torch.long)
-        dist.recv(size, src, group=self.cpu_group, tag=OBJECT_TAG)
+        dist.recv(size, src, group=self.message_group, tag=OBJECT_TAG)  # (idle: any time)
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(data, src, group=self.cpu_group, tag=OBJECT_TAG)
+        dist.recv(data, src, group=self.message_group, tag=OBJECT_TAG)
         return pickle.loads(data.numpy().tobytes())
 
     def wait_sends(self) -> None:
@@ -121,6 +125,7 @@ class WorldGroup:
 
 
 OBJECT_TAG = 7  # point-to-point tag of the objects (steps), apart from the stages' tensors (tag 0)
+NO_TIMEOUT_S = 10 * 365 * 86400  # the StepInput group's timeout: ten years
 
 _TP = TensorParallelGroup()
 _PP = PipelineParallelGroup()
@@ -128,16 +133,15 @@ _WORLD = WorldGroup()
 
 
 def init_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, rank: int, backend: str,
-                        init_method: str = "env://", timeout_s: float | None = None) -> None:
-    """Join the tensor_parallel_size x pipeline_parallel_size ranks as global `rank` and set up its groups."""
+                        init_method: str = "env://", timeout_s: float = 300.0) -> None:
+    """Join the tensor_parallel_size x pipeline_parallel_size ranks as global `rank` and set up its groups; a
+    step's collectives and transfers (and the rendezvous) time out after timeout_s."""
     global _TP, _PP, _WORLD
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     world = tp * pp
     if not dist.is_initialized():
-        import datetime
-
-        kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank, **kwargs)
+        dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     stage, tp_rank = divmod(rank, tp)
     tp_group = None  # one stage: the default group
     if pp > 1:
@@ -146,9 +150,10 @@ def init_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, 
             if s == stage:
                 tp_group = g
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" and world > 1 else None
+    message_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=NO_TIMEOUT_S))
     _TP = TensorParallelGroup(tp_rank, tp, tp_group)
     _PP = PipelineParallelGroup(stage, pp, rank - tp if stage > 0 else None, rank + tp if stage < pp - 1 else None)
-    _WORLD = WorldGroup(rank, world, cpu_group)
+    _WORLD = WorldGroup(rank, world, cpu_group, message_group)
 
 
 def get_tp_group() -> TensorParallelGroup:
