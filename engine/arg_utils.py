@@ -120,6 +120,11 @@ class EngineArgs:
                                                   "gpu_memory_utilization)", ge=1)
     num_gpu_blocks_override: int | None = arg(None, "exact number of KV-cache blocks", ge=1)
     kv_cache_dtype: str = arg("auto", "KV-cache dtype (auto: the model's dtype)", choices=("auto", *DTYPES))
+    kv_offloading_size: float = arg(0.0, "GiB of CPU memory (all ranks together) for a tier below the KV cache: "
+                                         "prefix blocks the cache evicts are kept there and loaded back on a later "
+                                         "hit; 0: off (also off without prefix caching)", ge=0)
+    kv_offloading_eviction: str = arg("arc", "which blocks the full offload tier drops: arc (adaptive: recency and "
+                                             "frequency) or lru", choices=("arc", "lru"))
     max_num_seqs: int = arg(256, "sequences per step", ge=1)
     max_batch_size: int | None = arg(None, "alias of max_num_seqs", ge=1)
     max_num_batched_tokens: int | None = arg(None, "token budget per step; longer prompts are prefilled in chunks "

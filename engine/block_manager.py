@@ -1,22 +1,37 @@
-"""Paged KV blocks: allocation, ref counts, prefix hashing (a hash chain over full blocks) and LRU eviction."""
+"""Paged KV blocks: allocation, ref counts, prefix hashing (a digest chain over full blocks) and LRU eviction; with
+an offload tier (engine/kv_offload/), evicted cached blocks are saved there and prefix hits in it loaded back."""
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvgate.engine.kv_offload import OffloadTier
 from kvgate.engine.sequence import Sequence
+
+
+def block_digest(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """A full block's key: sha256 of its parent's digest and its token ids (int64, little-endian), the same in
+    every process and after a restart (Python's hash() is neither)."""
+    ids = array("q", token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return hashlib.sha256((parent or b"") + ids.tobytes()).digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None  # set once the block is full and registered in (or known to) the prefix cache
+    hash: bytes | None = None  # set once the block is full and registered in (or known to) the prefix cache
     token_ids: tuple[int, ...] = ()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload: OffloadTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -24,7 +39,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # free blocks in eviction order: the front is taken first (least recently used / worthless)
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block digest -> block id
+        self.offload = offload if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self.freed_seq_ids: list[int] = []  # sequences whose blocks were dropped since take_freed (runners forget them)
@@ -40,56 +56,84 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding a prefix of seq's tokens (never the block of its last token, so that at least
-        one token is computed and its logits exist); none for a request that skips reading the prefix cache (a
-        pooling request whose pooling needs every token's hidden state)."""
+    def get_computed_blocks(self, seq: Sequence) -> list[int | bytes]:
+        """Cached blocks holding a prefix of seq's tokens, in order: a device block's id, or the digest of a block
+        in the offload tier (to be loaded); never the block of its last token, so that at least one token is
+        computed and its logits exist. None for a request that skips reading the prefix cache (a pooling request
+        whose pooling needs every token's hidden state)."""
         if not self.enable_prefix_caching or seq.request.skip_reading_prefix_cache:
             return []
-        bs, hits, parent = self.block_size, [], None
+        bs, hits, parent, tier = self.block_size, [], None, self.offload
         for i in range((len(seq) - 1) // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash((parent, ids))
+            h = block_digest(parent, ids)
             bid = self.cached.get(h)
-            if bid is None or self.blocks[bid].token_ids != ids:  # token ids are compared on a hash hit
+            if bid is not None and self.blocks[bid].token_ids == ids:  # token ids are compared on a hit
+                hits.append(bid)
+            elif tier is not None and tier.holds(h, ids):
+                hits.append(h)
+            else:
                 break
-            hits.append(bid)
             parent = h
         return hits
 
-    def allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
-        """Make seq's block table cover `num_tokens` tokens, first reusing `computed` (prefix-cache hits, only
-        for a sequence with no blocks yet). Returns False, changing nothing, when blocks are short."""
+    def allocate(self, seq: Sequence, num_tokens: int, computed: list[int | bytes] | None = None) -> bool:
+        """Make seq's block table cover `num_tokens` tokens, first reusing `computed` (prefix-cache hits from
+        get_computed_blocks, only for a sequence with no blocks yet: device blocks are shared, offloaded ones
+        loaded into new blocks). Returns False, changing nothing, when blocks are short."""
         if not computed and num_tokens <= len(seq.block_table) * self.block_size:
             return True  # the common decode step: the last block still has room
         computed = computed or []
         assert not computed or not seq.block_table
-        new = self.blocks_needed(num_tokens) - len(seq.block_table) - len(computed)
-        reclaimed = sum(1 for b in computed if self.blocks[b].ref_count == 0)  # hits that sit in the free queue
+        shared = [b for b in computed if isinstance(b, int)]
+        new = self.blocks_needed(num_tokens) - len(seq.block_table) - len(shared)
+        reclaimed = sum(1 for b in shared if self.blocks[b].ref_count == 0)  # hits that sit in the free queue
         if new > self.num_free_blocks - reclaimed:
             return False
+        if seq.request.num_cached_tokens is None and not seq.block_table:  # its first blocks
+            seq.request.num_cached_tokens = len(computed) * self.block_size
+        if self.offload is not None and not seq.block_table and not seq.request.skip_reading_prefix_cache:
+            stats, bs = self.offload.stats, self.block_size
+            stats.queries += ((len(seq) - 1) // bs - len(shared)) * bs
+            stats.hits += (len(computed) - len(shared)) * bs
         if computed:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += len(computed) * self.block_size
-            for bid in computed:
+            for bid in shared:  # out of the free queue first: no new block may be taken from them
                 block = self.blocks[bid]
                 if block.ref_count == 0:
                     del self.free_queue[bid]
                 block.ref_count += 1
-                seq.block_table.append(bid)
+            loading = frozenset(h for h in computed if isinstance(h, bytes))
+            for hit in computed:
+                if isinstance(hit, bytes):  # in the offload tier: a new block, loaded before the next step
+                    bid = self._take_free_block(loading)
+                    block = self.blocks[bid]
+                    block.hash, block.token_ids = hit, self.offload.token_ids[hit]  # type: ignore[union-attr]
+                    self.cached[hit] = bid
+                    self.offload.load(hit, bid)  # type: ignore[union-attr]
+                    hit = bid
+                seq.block_table.append(hit)
             seq.num_hashed_blocks = len(computed)
             seq.num_computed_tokens = len(computed) * self.block_size
         elif (self.enable_prefix_caching and not seq.block_table and seq.num_computed_tokens == 0
               and not seq.request.skip_reading_prefix_cache):
             self.prefix_cache_queries += len(seq)
-        for _ in range(max(new, 0)):
-            bid, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[bid]
-            if block.hash is not None and self.cached.get(block.hash) == bid:
-                del self.cached[block.hash]  # evict its cached content
-            block.hash, block.token_ids, block.ref_count = None, (), 1
-            seq.block_table.append(bid)
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
         return True
+
+    def _take_free_block(self, loading: frozenset[bytes] = frozenset()) -> int:
+        """The front of the free queue, its cached content evicted (into the offload tier, if there is one; the
+        tier keeps the blocks of `loading`, which are being loaded)."""
+        bid, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.cached.get(block.hash) == bid:
+            del self.cached[block.hash]
+            if self.offload is not None:
+                self.offload.save(block.hash, block.token_ids, bid, loading)
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return bid
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full (all tokens computed) in the prefix cache."""
@@ -100,7 +144,7 @@ class BlockManager:
             parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block = self.blocks[seq.block_table[i]]
-            block.hash, block.token_ids = hash((parent, ids)), ids
+            block.hash, block.token_ids = block_digest(parent, ids), ids
             self.cached.setdefault(block.hash, block.block_id)  # the first copy stays the cached one
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // bs)
 

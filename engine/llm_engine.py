@@ -15,6 +15,7 @@ from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
 from kvgate.engine.executor import Executor
+from kvgate.engine.kv_offload import OffloadTier
 from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
     RequestOutput
 from kvgate.engine.pooler import Pooler
@@ -62,7 +63,11 @@ class LLMEngine:
                            capacity, config.max_model_len)
             config.max_model_len = capacity
         self.max_model_len = config.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching)
+        offload = None
+        if self.runner.offload is not None:
+            offload = OffloadTier(self.runner.offload.num_slots, a.kv_offloading_eviction,
+                                  self.runner.block_bytes_all_ranks)
+        self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
         # steps started and not completed (more than one only with pipeline stages), and their sequences
         self.in_flight: collections.deque[tuple[list[tuple[Sequence, int]], list[bool], Any]] = collections.deque()
@@ -302,7 +307,8 @@ class LLMEngine:
         return outputs
 
     def _step_input(self, scheduled: list[tuple[Sequence, int]]) -> StepInput:
-        return self.step_inputs.build(scheduled, self.block_manager.take_freed())
+        bm = self.block_manager
+        return self.step_inputs.build(scheduled, bm.take_freed(), bm.offload.take_ops() if bm.offload else None)
 
     def _release_guided(self) -> None:
         """Schedule the guided requests whose grammar is now compiled; fail those whose spec was invalid."""
@@ -410,6 +416,7 @@ class LLMEngine:
         if req.first_token_time is not None:
             metrics["first_token_time"] = req.first_token_time
         if not self.output_prompts:
-            return RequestOutput(req.request_id, None, None, outs, finished or force, metrics=metrics)
+            return RequestOutput(req.request_id, None, None, outs, finished or force, req.num_cached_tokens or 0,
+                                 metrics)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished or force,
-                             metrics=metrics)
+                             req.num_cached_tokens or 0, metrics)

@@ -43,4 +43,17 @@ class MemoryMonitor:
             "prefix_cache_hits": bm.prefix_cache_hits,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
             "num_preemptions": self.engine.scheduler.num_preemptions,
+            **_offload_stats(bm.offload),
         }
+
+
+def _offload_stats(tier: Any) -> dict[str, float | int]:
+    """The CPU offload tier (engine/kv_offload/): its size and use in GiB (all ranks), blocks, and its hit rate
+    (prompt tokens found there, of those looked up there); zeros when it is off."""
+    if tier is None:
+        return {"offload_cpu_capacity": 0.0, "offload_cpu_used": 0.0, "offload_cpu_blocks": 0,
+                "offload_cpu_hit_rate": 0.0}
+    st = tier.stats
+    return {"offload_cpu_capacity": tier.num_slots * tier.block_bytes / 2**30,
+            "offload_cpu_used": len(tier) * tier.block_bytes / 2**30, "offload_cpu_blocks": len(tier),
+            "offload_cpu_hit_rate": st.hits / st.queries if st.queries else 0.0}

@@ -13,6 +13,7 @@ from kvgate.engine.config import EngineConfig
 from kvgate.engine.cuda_graph import DecodeGraphs
 from kvgate.engine.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from kvgate.engine.forward_context import forward_context
+from kvgate.engine.kv_offload import OffloadStore
 from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
 from kvgate.engine.models.parallel import local_units
@@ -70,6 +71,7 @@ class ModelRunner:
         for i, layer in enumerate(self.model.local_layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        self.offload = self._offload_store()
         # The fused RMSNorm / rotary / SiLU-and-mul kernels (kernels/triton_fused.py), KVGATE_FUSED_OPS:
         # "eager" (default): in eager steps (prompts, mixed steps), where they halve the GPU time of a 6,400-token
         # step; the decode graphs are captured with the torch ops (with the fused ops in the graphs too, "all",
@@ -138,6 +140,18 @@ class ModelRunner:
         elem = torch.empty(0, dtype=self.config.kv_cache_dtype).element_size()
         return (2 * mc.num_hidden_layers * self.block_size * self.num_kv_heads * mc.head_dim * elem
                 * get_tp_group().world_size)
+
+    def _offload_store(self) -> OffloadStore | None:
+        """The slots of the KV offload tier on this rank (kv_offloading_size GiB over all ranks: as many slots as
+        whole blocks of every rank fit), or None when it is off."""
+        a = self.config.args
+        if a.kv_offloading_size <= 0 or not a.enable_prefix_caching or self.model.pooling:
+            return None
+        slots = int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks
+        if slots < 1:
+            raise ValueError(f"kv_offloading_size {a.kv_offloading_size} GiB holds no KV block: a block takes "
+                             f"{self.block_bytes_all_ranks} bytes")
+        return OffloadStore(self.kv_cache, slots)
 
     def _num_blocks(self) -> int:
         a = self.config.args
@@ -292,6 +306,8 @@ class ModelRunner:
         """This stage's part of one step: (the last stage's final hidden states of every scheduled token, else None;
         the rows whose logits are needed). Other stages receive the previous stage's hidden states and send theirs
         on."""
+        if step.offload_ops:  # before the forward overwrites (SAVE) or reads (LOAD) those blocks
+            self.offload.apply(step.offload_ops)  # type: ignore[union-attr]
         input_ids, positions, md, rows = self.prepare(step)
         if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
             return self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables), rows

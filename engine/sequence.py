@@ -43,6 +43,8 @@ class Request:
     # the defaults, n=1, and is not used for output)
     pooling_params: PoolingParams | None = None
     skip_reading_prefix_cache: bool = False  # vLLM's name: its pooling needs every prompt token's hidden state
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache (or its offload tier) when first
+    # scheduled (vLLM's RequestOutput.num_cached_tokens)
 
     @property
     def max_output_tokens(self) -> int | None:

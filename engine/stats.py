@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvgate.engine.kv_offload import OffloadTier
     from kvgate.engine.llm_engine import LLMEngine
     from kvgate.engine.sequence import Request
 
@@ -105,6 +106,13 @@ class EngineStats:
     histograms: dict[str, Histogram]
     request_success: dict[str, int]
     timestamp: float
+    # the KV offload tier (zeros when it is off): tokens looked up and found there, bytes copied each way, blocks held
+    offload_queries: int = 0
+    offload_hits: int = 0
+    offload_saved_bytes: int = 0
+    offload_loaded_bytes: int = 0
+    offload_blocks: int = 0
+    offload_capacity_blocks: int = 0
 
 
 def snapshot(engine: "LLMEngine") -> EngineStats:
@@ -120,7 +128,16 @@ def snapshot(engine: "LLMEngine") -> EngineStats:
         num_preemptions=sched.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
         generation_tokens=engine.num_generation_tokens, num_steps=engine.num_steps,
         histograms={name: h.copy() for name, h in lat.histograms.items()},
-        request_success=dict(lat.request_success), timestamp=time.time())
+        request_success=dict(lat.request_success), timestamp=time.time(), **offload_figures(bm.offload))
+
+
+def offload_figures(tier: "OffloadTier | None") -> dict[str, int]:
+    if tier is None:
+        return {}
+    st, block = tier.stats, tier.block_bytes
+    return dict(offload_queries=st.queries, offload_hits=st.hits, offload_saved_bytes=st.saved_blocks * block,
+                offload_loaded_bytes=st.loaded_blocks * block, offload_blocks=len(tier),
+                offload_capacity_blocks=tier.num_slots)
 
 
 def idle(stats: EngineStats) -> EngineStats:

@@ -42,6 +42,9 @@ class StepInput:
     added_num_blocks: list[int] = field(default_factory=list)
     added_blocks: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)  # sequences to forget (before new_seqs are read)
+    # KV copies between the cache and the offload tier, in order, before the step's forward: (SAVE or LOAD, block,
+    # slot) (engine/kv_offload/)
+    offload_ops: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -54,13 +57,14 @@ class StepInputBuilder:
     def __init__(self) -> None:
         self.sent: dict[int, list[int]] = {}  # seq id -> [tokens sent, blocks sent]
 
-    def build(self, scheduled: list[tuple[Sequence, int]], freed: list[int]) -> StepInput:
+    def build(self, scheduled: list[tuple[Sequence, int]], freed: list[int],
+              offload_ops: list[tuple[int, int, int]] | None = None) -> StepInput:
         """The message for the scheduled (seq, new tokens) pairs; `freed`: ids of the sequences whose blocks were
-        dropped since the last message (BlockManager.take_freed)."""
+        dropped since the last message (BlockManager.take_freed); `offload_ops`: OffloadTier.take_ops()."""
         sent = self.sent
         msg = StepInput([s.seq_id for s, _ in scheduled], [n for _, n in scheduled],
                         [s.num_computed_tokens for s, _ in scheduled],
-                        freed=[i for i in freed if sent.pop(i, None) is not None])
+                        freed=[i for i in freed if sent.pop(i, None) is not None], offload_ops=offload_ops or [])
         add_id, add_nt, add_nb = msg.added_seq_ids.append, msg.added_num_tokens.append, msg.added_num_blocks.append
         add_token, add_block = msg.added_tokens.append, msg.added_blocks.append
         for seq, _ in scheduled:

@@ -1,5 +1,5 @@
 """The `kvgate` command: serve (OpenAI-compatible HTTP), generate (offline), worker (a tensor-parallel rank on another
-host), convert (GGUF -> HF directory), dify-package (the Dify plugin)."""
+host), convert (GGUF -> HF directory), dify-package (the Dify plugin), monitor (a live view of servers' /metrics)."""
 from __future__ import annotations
 
 import argparse
@@ -227,9 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--input", required=True, help="model.gguf")
     c.add_argument("--output", required=True, help="output directory")
     c.set_defaults(func=cmd_convert)
-    from kvgate.gateway import dify_package  # stdlib-only module: cheap to import
+    from kvgate.gateway import dify_package, monitor  # cheap to import (their dependencies load when they run)
 
     dify_package.register(sub)
+    monitor.register(sub)
     return parser
 
 

@@ -16,6 +16,9 @@ GAUGES = {
     "vllm:num_requests_waiting": ("Requests waiting to be scheduled.", "num_requests_waiting"),
     "vllm:kv_cache_usage_perc": ("Share of KV-cache blocks in use (0-1).", "kv_cache_usage_perc"),
     "kvgate:kv_cache_free_blocks": ("Free KV-cache blocks (cached-free included).", "num_free_blocks"),
+    "kvgate:kv_offload_cpu_blocks": ("KV blocks held in the CPU offload tier.", "offload_blocks"),
+    "kvgate:kv_offload_cpu_capacity_blocks": ("KV blocks the CPU offload tier can hold (0: off).",
+                                              "offload_capacity_blocks"),
 }
 COUNTERS = {
     "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
@@ -24,6 +27,13 @@ COUNTERS = {
     "vllm:prompt_tokens": ("Prompt tokens received.", "prompt_tokens"),
     "vllm:generation_tokens": ("Tokens generated.", "generation_tokens"),
     "kvgate:engine_steps": ("Engine steps run.", "num_steps"),
+    "kvgate:kv_offload_cpu_queries": ("Prompt tokens looked up in the CPU offload tier (missed on the device).",
+                                      "offload_queries"),
+    "kvgate:kv_offload_cpu_hits": ("Prompt tokens found in the CPU offload tier and loaded back.", "offload_hits"),
+    "kvgate:kv_offload_cpu_saved_bytes": ("Bytes of KV blocks copied into the CPU offload tier.",
+                                          "offload_saved_bytes"),
+    "kvgate:kv_offload_cpu_loaded_bytes": ("Bytes of KV blocks copied back from the CPU offload tier.",
+                                           "offload_loaded_bytes"),
 }
 HISTOGRAMS = {
     TIME_TO_FIRST_TOKEN: "Histogram of time to first token in seconds (arrival to the first token).",

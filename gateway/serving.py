@@ -61,6 +61,11 @@ class Running:
     outs: AsyncIterable[RequestOutput]
     close: Callable[[], Awaitable[None]]
     prompt_index: dict[str, int] | None
+    cached: dict[str, int] = field(default_factory=dict)  # request id -> prompt tokens found in the prefix cache
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
 
     def prompt_of(self, out: RequestOutput) -> int:
         return self.prompt_index[out.request_id] if self.prompt_index is not None else 0
@@ -70,6 +75,7 @@ class Running:
         samples: dict[int, Sample] = {}
 
         def add(out: RequestOutput) -> None:
+            self.cached[out.request_id] = out.num_cached_tokens
             base = self.prompt_of(out) * n
             for o in out.outputs:
                 samples.setdefault(base + o.index, Sample()).add(o)
@@ -297,7 +303,8 @@ class OpenAIServing:
                             "logprobs": {"content": self._chat_logprobs(s.logprobs, s.token_ids, top)}
                             if req.logprobs else None, "finish_reason": finish})
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": self.name,
-                "choices": choices, "usage": usage(len(prompt), sum(len(s.token_ids) for s in samples.values()))}
+                "choices": choices, "usage": usage(len(prompt), sum(len(s.token_ids) for s in samples.values()),
+                                                   run.cached_tokens)}
 
     def _output_reader(self, tools: ToolPlan, free: bool) -> Callable[[], ChatOutputParser] | None:
         """A factory of per-choice output parsers, or None when the output is content as it is. The reasoning
@@ -363,7 +370,8 @@ class OpenAIServing:
                             if req.logprobs is not None else None})
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.name,
                 "choices": choices, "usage": usage(sum(len(p) for p in prompts),
-                                                   sum(len(s.token_ids) for s in samples.values()))}
+                                                   sum(len(s.token_ids) for s in samples.values()),
+                                                   run.cached_tokens)}
 
     # ---- helpers -------------------------------------------------------------------------------------------------
     @staticmethod

@@ -17,8 +17,10 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; `cached`: prompt tokens whose KV came from the prefix cache (or its offload tier)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class ChunkTemplate:
@@ -87,12 +89,14 @@ async def _chunks(spec: StreamSpec, first: list[RequestOutput], outs: AsyncItera
     envelope = {"id": spec.rid, "object": spec.object, "created": int(time.time()), "model": spec.model}
     plain = ChunkTemplate({**envelope, "choices": [spec.plain_choice]}) if spec.plain_choice is not None else None
     completion = 0
+    cached: dict[str, int] = {}  # engine request id -> its prompt tokens found in the prefix cache
 
     def chunk(choices: list[dict], **extra: object) -> str:
         return sse({**envelope, "choices": choices, **extra})
 
     def render(out: RequestOutput) -> str | None:
         nonlocal completion
+        cached[out.request_id] = out.num_cached_tokens
         if plain is not None and len(out.outputs) == 1 and out.outputs[0].finish_reason is None:
             o = out.outputs[0]  # the common case: one sample, text, not the end
             completion += len(o.token_ids)
@@ -116,7 +120,7 @@ async def _chunks(spec: StreamSpec, first: list[RequestOutput], outs: AsyncItera
             if (text := render(out)) is not None:
                 yield text
         if spec.include_usage:
-            yield chunk([], usage=usage(spec.prompt_tokens, completion))
+            yield chunk([], usage=usage(spec.prompt_tokens, completion, sum(cached.values())))
         yield sse("[DONE]")
     finally:
         await close()

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from kvgate.engine.block_manager import BlockManager
+from kvgate.engine.block_manager import BlockManager, block_digest
 from kvgate.engine.sampling_params import SamplingParams
 from kvgate.engine.sequence import Request, Sequence
 
@@ -216,7 +216,7 @@ def test_hash_hit_compares_token_ids() -> None:
     bm.free(a)
     other = tokens(16, 300)
     # a (forced) collision: the hash of `other`'s first block points at a block holding different tokens
-    bm.cached[hash((None, tuple(other)))] = victim_block
+    bm.cached[block_digest(None, tuple(other))] = victim_block
     s = make_seq(other + [1])
     assert bm.get_computed_blocks(s) == []
     compute_all(bm, s)

@@ -36,6 +36,8 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "kv_cache_memory_bytes": (["--kv-cache-memory-bytes", "3000000"], "3000000"),
     "num_gpu_blocks_override": (["--num-gpu-blocks-override", "40"], "40"),
     "kv_cache_dtype": (["--kv-cache-dtype", "float32"], "float32"),
+    "kv_offloading_size": (["--kv-offloading-size", "0.01"], "0.01"),
+    "kv_offloading_eviction": (["--kv-offloading-eviction", "lru"], "lru"),
     "max_num_seqs": (["--max-num-seqs", "7"], "7"),
     "max_num_batched_tokens": (["--max-num-batched-tokens", "333"], "333"),
     "enable_chunked_prefill": (["--no-enable-chunked-prefill"], "False"),
