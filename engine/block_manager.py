@@ -59,7 +59,7 @@ class BlockManager:
     def get_computed_blocks(self, seq: Sequence) -> list[int | bytes]:
         """Cached blocks holding a prefix of seq's tokens, in order: a device block's id, or the digest of a block
         in the offload tier (to be loaded); never the block of its last token, so that at least one token is
-        computed and its logits exist. None for a request that skips reading the prefix cache (a pooling request
+        computed and its logits exist. Nothing for a request that skips reading the prefix cache (a pooling request
         whose pooling needs every token's hidden state)."""
         if not self.enable_prefix_caching or seq.request.skip_reading_prefix_cache:
             return []
