@@ -86,6 +86,7 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ArgError("device", f"is {a.device}, but torch sees no CUDA device here")
         _check_tensor_parallel(a, model_config, device)
+        _check_offloading(a, model_config, kv_dtype)
         name = a.served_model_name or _default_name(a.model, model_path)
         defaults = load_generation_defaults(a.generation_config, model_path) if runner == "generate" else {}
         return cls(args=a, model_path=model_path, load_format=load_format, model_config=model_config, dtype=dtype,
@@ -122,6 +123,19 @@ def _check_tensor_parallel(a: EngineArgs, mc: ModelConfig, device: torch.device)
         if tp * pp > have:
             raise ArgError("tensor_parallel_size", f"x pipeline_parallel_size needs {tp * pp} GPUs from {device} on, "
                                                    f"and this host has {have}")
+
+
+def _check_offloading(a: EngineArgs, mc: ModelConfig, kv_dtype: torch.dtype) -> None:
+    """The offload tier must hold at least one KV block of this model (of every rank: KV heads replicated past
+    tensor_parallel_size count again)."""
+    if a.kv_offloading_size <= 0 or not a.enable_prefix_caching:
+        return
+    heads = max(mc.num_key_value_heads, a.tensor_parallel_size)
+    elem = torch.empty(0, dtype=kv_dtype).element_size()
+    block = 2 * mc.num_hidden_layers * a.block_size * heads * mc.head_dim * elem
+    if a.kv_offloading_size * (1 << 30) < block:
+        raise ArgError("kv_offloading_size", f"must hold at least one KV block of {mc.architecture} ({block} bytes "
+                                             f"with block_size {a.block_size}), got {a.kv_offloading_size} GiB")
 
 
 def _has_triton_backend() -> bool:

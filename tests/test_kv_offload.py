@@ -199,3 +199,19 @@ def test_a_second_turn_reports_its_cached_tokens_in_usage_the_tier_keeping_them(
     with_tier, streamed, first_len = cached["0.01"]
     assert with_tier >= (first_len // 16 - 1) * 16 and with_tier % 16 == 0
     assert streamed >= with_tier  # the streamed repeat finds at least as much (on the device by then)
+
+
+def test_a_tier_too_small_for_one_block_is_refused_before_anything_loads(tiny_llama: str) -> None:
+    from kvgate.engine.arg_utils import ArgError, EngineArgs
+    from kvgate.engine.config import EngineConfig
+    from serve_helpers import CLI
+
+    with pytest.raises(ArgError, match=r"kv_offloading_size must hold at least one KV block of LlamaForCausalLM "
+                                       r"\(\d+ bytes with block_size 16\), got 1e-09 GiB"):
+        EngineConfig.from_args(EngineArgs(model=tiny_llama, kv_offloading_size=1e-9))
+    EngineConfig.from_args(EngineArgs(model=tiny_llama, kv_offloading_size=1e-9, enable_prefix_caching=False))
+    with pytest.raises(ArgError, match="kv_offloading_eviction must be one of"):
+        EngineArgs(model=tiny_llama, kv_offloading_eviction="fifo").check()
+    r = subprocess.run([*CLI, "serve", tiny_llama, "--kv-offloading-size", "1e-9"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "kv_offloading_size must hold at least one KV block" in r.stderr
