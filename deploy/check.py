@@ -26,7 +26,8 @@ CHART = ROOT / "deploy" / "helm" / "kvgate"
 K8S_VERSION = "1.31.0"
 VARIANTS = {  # values that switch on what the default values and the examples leave off
     "hpa, pdbs, api key, service monitor": ["-f", "examples/values-gpu.yaml", "--set",
-                                            "autoscaling.kind=hpa,apiKey.value=sk-test,apiKey.existingSecret=,gateway.replicas=2,"
+                                            "autoscaling.kind=hpa,apiKey.value=sk-test,apiKey.existingSecret=,"
+                                            "gateway.replicas=2,"
                                             "gateway.podDisruptionBudget.enabled=true,"
                                             "metrics.serviceMonitor.enabled=true,"
                                             "engines[0].podDisruptionBudget.enabled=true"],

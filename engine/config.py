@@ -107,6 +107,13 @@ def _check_tensor_parallel(a: EngineArgs, mc: ModelConfig, device: torch.device)
     if pp > mc.num_hidden_layers:
         raise ArgError("pipeline_parallel_size", f"must be at most the {mc.num_hidden_layers} layers of "
                                                  f"{mc.architecture}, got {pp}")
+    if pp > 1:  # KVGATE_PP_LAYER_PARTITION, if set, must fit this model and pp: refused here, before any rank starts
+        from kvgate.engine.models.llama import stage_layers
+
+        try:
+            stage_layers(mc.num_hidden_layers, pp, 0)
+        except ValueError as e:
+            raise ArgError("pipeline_parallel_size", f"{pp}, KVGATE_PP_LAYER_PARTITION: {e}") from None
     if tp * pp == 1:
         return
     problems = []

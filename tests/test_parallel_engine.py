@@ -142,7 +142,7 @@ def test_default_model_gguf_at_tp_3() -> None:
     assert out[3] == out[1]
 
 
-def test_tensor_parallel_size_is_checked_against_the_model(tiny_llama: str) -> None:
+def test_tensor_parallel_size_is_checked_against_the_model(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ArgError, match=r"tensor_parallel_size must divide the 4 attention heads, .* got 3"):
         EngineConfig.from_args(EngineArgs(model=tiny_llama, tensor_parallel_size=3))
     with pytest.raises(ArgError, match="distributed_executor_backend uni runs one rank"):
@@ -150,6 +150,14 @@ def test_tensor_parallel_size_is_checked_against_the_model(tiny_llama: str) -> N
     with pytest.raises(ArgError, match="pipeline_parallel_size must be at most the 2 layers of LlamaForCausalLM, "
                                        "got 3"):
         EngineConfig.from_args(EngineArgs(model=tiny_llama, pipeline_parallel_size=3))
+    monkeypatch.setenv("KVGATE_PP_LAYER_PARTITION", "2,1")  # the tiny Llama has 2 layers
+    with pytest.raises(ArgError, match=r"pipeline_parallel_size 2, KVGATE_PP_LAYER_PARTITION: the layer partition "
+                                       r"'2,1' must give each of the 2 pipeline stages at least one layer, 2 in"):
+        EngineConfig.from_args(EngineArgs(model=tiny_llama, pipeline_parallel_size=2))
+    r = subprocess.run([*CLI, "serve", tiny_llama, "--pipeline-parallel-size", "2"], capture_output=True, text=True,
+                       timeout=120)  # refused before any rank starts: exit status 2, with the reason
+    assert r.returncode == 2 and "KVGATE_PP_LAYER_PARTITION: the layer partition '2,1'" in r.stderr
+    monkeypatch.delenv("KVGATE_PP_LAYER_PARTITION")
     assert EngineArgs(distributed_executor_backend="external").executor_backend == "external_launcher"
     assert EngineArgs(tensor_parallel_size=2).executor_backend == "mp"
 
