@@ -143,15 +143,11 @@ class ModelRunner:
 
     def _offload_store(self) -> OffloadStore | None:
         """The slots of the KV offload tier on this rank (kv_offloading_size GiB over all ranks: as many slots as
-        whole blocks of every rank fit), or None when it is off."""
+        whole blocks of every rank fit; at least one, as EngineConfig checked), or None when it is off."""
         a = self.config.args
         if a.kv_offloading_size <= 0 or not a.enable_prefix_caching or self.model.pooling:
             return None
-        slots = int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks
-        if slots < 1:
-            raise ValueError(f"kv_offloading_size {a.kv_offloading_size} GiB holds no KV block: a block takes "
-                             f"{self.block_bytes_all_ranks} bytes")
-        return OffloadStore(self.kv_cache, slots)
+        return OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks)
 
     def _num_blocks(self) -> int:
         a = self.config.args

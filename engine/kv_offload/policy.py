@@ -85,8 +85,7 @@ class ARCPolicy:
         elif len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= c:
             if len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= 2 * c:
                 self.b2.popitem(last=False)
-            if len(self.t1) + len(self.t2) >= c:
-                self._replace(False, evicted)
+            self._replace(False, evicted)  # (only when the tier is full)
         self.t1[key] = None
         return evicted
 

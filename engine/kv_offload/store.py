@@ -21,11 +21,6 @@ class OffloadStore:
         shape = (self.num_slots, kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.slots = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
 
-    @staticmethod
-    def slot_bytes(kv_cache: torch.Tensor) -> int:
-        """Bytes of one block of this rank's cache (a slot's size)."""
-        return kv_cache[:, :, 0].numel() * kv_cache.element_size()
-
     def apply(self, ops: list[tuple[int, int, int]]) -> None:
         """Run the copies with the effect of running them one by one in order, batched: the ops split into phases
         whose SAVEs may all run before their LOADs (the usual pattern, a block saved and then loaded over, makes one
