@@ -5,21 +5,24 @@
 # online/offline ratio (detokenized with the same tokenizer, as the server does).
 #   bash benchmarks/serving_gpu.sh [OUT_DIR]        # tables in OUT_DIR (default: a temporary folder)
 #   SERVE_FLAGS=--no-engine-core-process LEVELS=128 bash benchmarks/serving_gpu.sh OUT   # engine loop on a thread
+#   CONFIG=benchmarks/configs/llama-3-8b SERVE_FLAGS="--tensor-parallel-size 2" LEVELS=128 CONCURRENCY="100 200" \
+#     NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT                  # another model's shapes, on 2 GPUs
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
-model=$(mktemp -d)/qwen3-0.6b-dummy
+config=${CONFIG:-benchmarks/configs/qwen3-0.6b}
+model=$(mktemp -d)/$(basename "$config")-dummy
 port=${PORT:-8123}
-python benchmarks/dummy_tokenizer.py benchmarks/configs/qwen3-0.6b "$model" >/dev/null
+python benchmarks/dummy_tokenizer.py "$config" "$model" >/dev/null
 python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 180); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
+for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
 bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab 100000 --workers 4"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
-[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts 1000 --concurrency 50 100 200 | tee "$out/serve128.txt"
+[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts 1000 --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0

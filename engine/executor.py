@@ -74,15 +74,17 @@ class Executor:
                 if a.executor_backend == "mp":
                     port = _free_port()
                     self._start_workers(port)
+                    threading.Thread(target=self._watch, name="kvgate-tp-watch", daemon=True).start()
                     config = init_rank(config, 0, 0, f"tcp://127.0.0.1:{port}")
                 else:
                     config = init_rank(config, *_launcher_rank(self.world_size), "env://")
             self.runner = ModelRunner(config)
-        except BaseException:
+        except BaseException as e:
+            if self.world_size > 1:  # say why before the cleanup, which a rank stuck in a collective can slow
+                logger.error("rank 0 failed to start: %s: %s", type(e).__name__, e)
+                self.dead = f"the parallel engine failed to start ({type(e).__name__}: {e})"
             self.shutdown()
             raise
-        if self.workers:
-            threading.Thread(target=self._watch, name="kvgate-tp-watch", daemon=True).start()
 
     # ---- steps ---------------------------------------------------------------------------------------------------
     @property
@@ -163,5 +165,5 @@ class Executor:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        if self.world_size > 1:
-            destroy_model_parallel()
+        if self.world_size > 1 and not (self.dead is not None and self.config.device.type == "cuda"):
+            destroy_model_parallel()  # (not after a failure on NCCL: destroying waits for the collective in flight)

@@ -83,16 +83,16 @@ class ModelRunner:
         if triton_gpu and fused == "all":
             use_fused_ops(self.model)
         self.graphs: DecodeGraphs | None = None
-        # pooling: prefill only. Pipeline stages run eager for now (their graphs would take the previous stage's
-        # hidden states as inputs)
-        if triton_gpu and not config.args.enforce_eager and config.runner == "generate" and self.pp.world_size == 1:
+        # pooling: prefill only. Each pipeline stage captures its own layers
+        if triton_gpu and not config.args.enforce_eager and config.runner == "generate":
             from kvgate.kernels.triton_decode import graph_partition_size
 
             self.graphs = DecodeGraphs(
                 self.model, self.attention_fn, config.max_num_seqs, config.max_model_len, self.block_size,
                 mc.hidden_size, config.dtype, self.device,
                 functools.partial(graph_partition_size, num_kv_heads=self.num_kv_heads,
-                                  max_model_len=config.max_model_len, device=self.device))
+                                  max_model_len=config.max_model_len, device=self.device),
+                first_stage=self.pp.is_first, last_stage=self.pp.is_last)
             self.graphs.capture()
         if triton_gpu and fused == "eager":
             use_fused_ops(self.model)  # after the capture: the graphs keep the torch ops
@@ -305,14 +305,17 @@ class ModelRunner:
         if step.offload_ops:  # before the forward overwrites (SAVE) or reads (LOAD) those blocks
             self.offload.apply(step.offload_ops)  # type: ignore[union-attr]
         input_ids, positions, md, rows = self.prepare(step)
-        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
-            return self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables), rows
         intermediate = None
         if not self.pp.is_first:
             shape = (input_ids.shape[0], self.config.model_config.hidden_size)
             intermediate = tuple(self.pp.recv([shape, shape], self.config.dtype, self.device))
-        with forward_context(md, self.attention_fn):
-            out = self.model(input_ids, positions, intermediate)
+        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
+            out = self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables, intermediate)
+            if not self.pp.is_last:  # copies: the next replay overwrites the graph's buffers while they may travel
+                out = tuple(t.clone() for t in out)
+        else:
+            with forward_context(md, self.attention_fn):
+                out = self.model(input_ids, positions, intermediate)
         if self.pp.is_last:
             return out, rows
         self.pp.send(list(out))

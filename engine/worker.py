@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
     """The config of the rank with `local_rank` on its host: on CUDA, the device after the configured one by
-    local_rank (cuda:0 -> cuda:1 for local rank 1)."""
-    if config.device.type != "cuda" or local_rank == 0:
+    local_rank (cuda or cuda:0 -> cuda:1 for local rank 1), always with its index (torch.cuda.set_device needs it)."""
+    if config.device.type != "cuda":
         return config
     base = config.device.index or 0
     return dataclasses.replace(config, device=torch.device("cuda", base + local_rank))
@@ -87,8 +87,13 @@ def run_worker(args: EngineArgs, rank: int, local_rank: int, init_method: str = 
         runner = ModelRunner(config)
         logger.info("rank %d/%d ready on %s (%d KV blocks)", rank, world_size, config.device, runner.num_blocks)
         serve_steps(runner)
-    finally:
-        destroy_model_parallel()
+    except BaseException:
+        # say why now, and leave without a goodbye: the other ranks may wait in a collective that this rank never
+        # joins, and on NCCL destroying the group would wait for it too
+        logger.exception("rank %d failed", rank)
+        sys.stderr.flush()
+        os._exit(1)
+    destroy_model_parallel()
 
 
 def _die_with_parent() -> None:

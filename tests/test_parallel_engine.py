@@ -306,3 +306,19 @@ def test_pipeline_stages_split_the_layers_evenly_first_stages_taking_the_rest() 
     for bad in ("4,2", "5,0", "2,2,1", "a,b"):
         with pytest.raises(ValueError, match=f"the layer partition '{bad}' must give each of the 2 pipeline stages"):
             stage_layers(5, 2, 0, bad)
+
+
+def test_each_rank_names_its_gpu_with_an_index(tiny_llama: str) -> None:
+    """torch.cuda.set_device refuses a device without an index: rank 0 of `--device cuda` is cuda:0, the next cuda:1,
+    and counting starts at the configured GPU."""
+    import dataclasses
+
+    import torch
+
+    from kvgate.engine.worker import rank_config
+
+    cpu = EngineConfig.from_args(EngineArgs(model=tiny_llama))
+    assert rank_config(cpu, 1) is cpu
+    for configured, local_rank, expected in (("cuda", 0, "cuda:0"), ("cuda", 1, "cuda:1"), ("cuda:2", 1, "cuda:3")):
+        config = dataclasses.replace(cpu, device=torch.device(configured))
+        assert rank_config(config, local_rank).device == torch.device(expected)

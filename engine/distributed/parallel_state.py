@@ -3,7 +3,9 @@ pipeline_parallel_size P there are T x P ranks, tensor-parallel fastest: rank = 
 
 - the tensor-parallel group: the T ranks of this pipeline stage, and the collectives the parallel layers use;
 - the pipeline-parallel group: this rank's stage, and point-to-point sends of a step's hidden states to the same
-  tp_rank of the next stage (and of the logits from the last stage to rank 0, which samples);
+  tp_rank of the next stage; the logits go from the last stage to rank 0 (which samples) over a group of those two
+  ranks alone: on NCCL each group's transfers run in order on a stream of their own, and on one stream rank 0's send
+  of the next step's hidden states and its receive of this step's logits would wait on each other;
 - the world group: every rank, with a CPU (gloo) group for what they agree on outside the model (the number of KV
   blocks) and another for each step's StepInput, which a worker may wait for as long as the server is idle.
 Every collective and stage-to-stage transfer of a step times out after `timeout_s` (a rank that hangs makes the
@@ -48,6 +50,7 @@ class PipelineParallelGroup:
     world_size: int = 1  # stages
     prev_rank: int | None = None  # the global rank this stage receives from (same tp_rank, previous stage)
     next_rank: int | None = None  # and sends to
+    output_group: Any = None  # the last stage's first rank and rank 0: the logits (None: the default group)
     _sends: list = field(default_factory=list)  # (work, tensor) of sends not known to be done
 
     @property
@@ -60,11 +63,13 @@ class PipelineParallelGroup:
 
     def send(self, tensors: list[torch.Tensor], dst: int | None = None) -> None:
         """Send tensors to the next stage, or to global rank `dst`, without waiting for the receiver (a stage goes on
-        with the next batch meanwhile); the previous sends are completed first."""
+        with the next batch meanwhile); the previous sends are completed first. A send to `dst` goes over the output
+        group."""
         self.wait_sends()
+        group = None if dst is None else self.output_group
         for t in tensors:
             t = t.contiguous()
-            self._sends.append((dist.isend(t, dst=self.next_rank if dst is None else dst), t))
+            self._sends.append((dist.isend(t, dst=self.next_rank if dst is None else dst, group=group), t))
 
     def wait_sends(self) -> None:
         for work, _ in self._sends:
@@ -73,10 +78,11 @@ class PipelineParallelGroup:
 
     def recv(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
              src: int | None = None) -> list[torch.Tensor]:
-        """Receive tensors of these shapes from the previous stage, or from global rank `src`."""
+        """Receive tensors of these shapes from the previous stage, or from global rank `src` (the output group)."""
         out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        group = None if src is None else self.output_group
         for t in out:
-            dist.recv(t, src=self.prev_rank if src is None else src)
+            dist.recv(t, src=self.prev_rank if src is None else src, group=group)
         return out
 
 
@@ -149,10 +155,12 @@ def init_model_parallel(tensor_parallel_size: int, pipeline_parallel_size: int, 
             g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
             if s == stage:
                 tp_group = g
+    output_group = dist.new_group([0, (pp - 1) * tp]) if pp > 1 else None
     cpu_group = dist.new_group(backend="gloo") if backend != "gloo" and world > 1 else None
     message_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=NO_TIMEOUT_S))
     _TP = TensorParallelGroup(tp_rank, tp, tp_group)
-    _PP = PipelineParallelGroup(stage, pp, rank - tp if stage > 0 else None, rank + tp if stage < pp - 1 else None)
+    _PP = PipelineParallelGroup(stage, pp, rank - tp if stage > 0 else None, rank + tp if stage < pp - 1 else None,
+                                output_group)
     _WORLD = WorldGroup(rank, world, cpu_group, message_group)
 
 

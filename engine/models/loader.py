@@ -39,23 +39,25 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, Any]]:
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights (norms 1.0): each parameter's full tensor is drawn on CPU from a generator seeded by `seed` and
-    the parameter's name, so the numbers depend on neither the device nor the tensor- or pipeline-parallel sizes (a
-    stage draws only its own parameters; a tied head drawn as the embedding), and each rank keeps its slice."""
+    """Random weights (norms 1.0): each parameter's full tensor is drawn from a generator seeded by `seed` and the
+    parameter's name, on the CPU for a model on the CPU and on the GPU for one on CUDA (at 70B sizes the CPU would
+    take minutes), so the numbers depend on neither the GPU nor the tensor- or pipeline-parallel sizes (a stage
+    draws only its own parameters; a tied head drawn as the embedding), and each rank keeps its slice."""
     step = 1 << 24
     for name, p in model.named_parameters():
         if "norm" in name:
             p.data.fill_(1.0)
             continue
         drawn_as = "embed_tokens.weight" if name == "lm_head.weight" and getattr(model, "tied_head", False) else name
-        gen = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(drawn_as.encode()))
+        device = p.device if p.device.type == "cuda" else torch.device("cpu")
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(drawn_as.encode()))
         loader = getattr(p, "weight_loader", None)
         full_shape = getattr(p, "full_shape", tuple(p.shape))
-        full = p.data if loader is None else torch.empty(full_shape, dtype=p.dtype)
+        full = p.data if loader is None else torch.empty(full_shape, dtype=p.dtype, device=device)
         flat = full.view(-1)
         for i in range(0, flat.numel(), step):  # in chunks: no float32 copy of a whole large tensor
             n = min(step, flat.numel() - i)
-            flat[i:i + n].copy_(torch.randn(n, generator=gen) * 0.02)
+            flat[i:i + n].copy_(torch.randn(n, generator=gen, device=device) * 0.02)
         if loader is not None:
             loader(p, full)
 
