@@ -123,6 +123,11 @@ class EngineArgs:
     kv_offloading_size: float = arg(0.0, "GiB of CPU memory (all ranks together) for a tier below the KV cache: "
                                          "prefix blocks the cache evicts are kept there and loaded back on a later "
                                          "hit; 0: off (also off without prefix caching)", ge=0)
+    kv_offloading_disk_dir: str | None = arg(None, "a directory for a disk tier below the CPU offload tier (needs "
+                                                   "kv_offloading_size): blocks it evicts are written there and read "
+                                                   "back on a later hit, also by the next server on the directory",
+                                             metavar="DIR")
+    kv_offloading_disk_size: float = arg(0.0, "GiB of disk (all ranks together) for kv_offloading_disk_dir", ge=0)
     kv_offloading_eviction: str = arg("arc", "which blocks the full offload tier drops: arc (adaptive: recency and "
                                              "frequency) or lru", choices=("arc", "lru"))
     max_num_seqs: int = arg(256, "sequences per step", ge=1)

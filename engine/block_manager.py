@@ -56,26 +56,37 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def get_computed_blocks(self, seq: Sequence) -> list[int | bytes]:
+    def get_computed_blocks(self, seq: Sequence) -> list[int | bytes] | None:
         """Cached blocks holding a prefix of seq's tokens, in order: a device block's id, or the digest of a block
         in the offload tier (to be loaded); never the block of its last token, so that at least one token is
         computed and its logits exist. Nothing for a request that skips reading the prefix cache (a pooling request
-        whose pooling needs every token's hidden state)."""
+        whose pooling needs every token's hidden state). None while some of the prefix is being read from the disk
+        tier (its fetches started here): the request waits for them."""
         if not self.enable_prefix_caching or seq.request.skip_reading_prefix_cache:
             return []
         bs, hits, parent, tier = self.block_size, [], None, self.offload
+        fetching = False
         for i in range((len(seq) - 1) // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = block_digest(parent, ids)
             bid = self.cached.get(h)
             if bid is not None and self.blocks[bid].token_ids == ids:  # token ids are compared on a hit
                 hits.append(bid)
+            elif tier is not None and h in tier.fetching:
+                fetching = True
             elif tier is not None and tier.holds(h, ids):
                 hits.append(h)
+            elif tier is not None and tier.on_disk(h):
+                keep = frozenset(x for x in hits if isinstance(x, bytes))  # (the CPU hits before it stay)
+                if not tier.fetch(h, ids, keep):
+                    break  # no slot free of blocks in use: the rest is computed
+                tier.stats.disk_queries += bs
+                tier.stats.disk_hits += bs
+                fetching = True
             else:
                 break
             parent = h
-        return hits
+        return None if fetching else hits
 
     def allocate(self, seq: Sequence, num_tokens: int, computed: list[int | bytes] | None = None) -> bool:
         """Make seq's block table cover `num_tokens` tokens, first reusing `computed` (prefix-cache hits from
@@ -96,6 +107,8 @@ class BlockManager:
             stats, bs = self.offload.stats, self.block_size
             stats.queries += ((len(seq) - 1) // bs - len(shared)) * bs
             stats.hits += (len(computed) - len(shared)) * bs
+            if self.offload.disk is not None:  # what missed in CPU memory missed on disk too (found: fetched first)
+                stats.disk_queries += ((len(seq) - 1) // bs - len(computed)) * bs
         if computed:
             self.prefix_cache_queries += len(seq)
             self.prefix_cache_hits += len(computed) * self.block_size

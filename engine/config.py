@@ -135,14 +135,34 @@ def _check_tensor_parallel(a: EngineArgs, mc: ModelConfig, device: torch.device)
 def _check_offloading(a: EngineArgs, mc: ModelConfig, kv_dtype: torch.dtype) -> None:
     """The offload tier must hold at least one KV block of this model (of every rank: KV heads replicated past
     tensor_parallel_size count again)."""
+    if a.kv_offloading_disk_size > 0 and a.kv_offloading_disk_dir is None:
+        raise ArgError("kv_offloading_disk_size", "needs kv_offloading_disk_dir (where the disk tier's files go)")
+    if a.kv_offloading_disk_dir is not None and a.kv_offloading_size <= 0:
+        raise ArgError("kv_offloading_disk_dir", "needs kv_offloading_size > 0: the disk tier sits below the CPU "
+                                                 "tier, whose evicted blocks it takes")
     if a.kv_offloading_size <= 0 or not a.enable_prefix_caching:
         return
     heads = max(mc.num_key_value_heads, a.tensor_parallel_size)
     elem = torch.empty(0, dtype=kv_dtype).element_size()
     block = 2 * mc.num_hidden_layers * a.block_size * heads * mc.head_dim * elem
-    if a.kv_offloading_size * (1 << 30) < block:
-        raise ArgError("kv_offloading_size", f"must hold at least one KV block of {mc.architecture} ({block} bytes "
-                                             f"with block_size {a.block_size}), got {a.kv_offloading_size} GiB")
+    for name in ("kv_offloading_size", "kv_offloading_disk_size"):
+        size = getattr(a, name)
+        if (name == "kv_offloading_size" or a.kv_offloading_disk_dir is not None) and size * (1 << 30) < block:
+            raise ArgError(name, f"must hold at least one KV block of {mc.architecture} ({block} bytes with "
+                                 f"block_size {a.block_size}), got {size} GiB")
+    if a.kv_offloading_disk_dir is not None:
+        _check_disk_dir(a.kv_offloading_disk_dir)
+
+
+def _check_disk_dir(path: str) -> None:
+    """The disk tier's directory must be a directory this process can write (made if missing)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ArgError("kv_offloading_disk_dir", f"must be a directory that can be made or written, got {path!r} "
+                                                 f"({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ArgError("kv_offloading_disk_dir", f"must be a directory this process can write, got {path!r}")
 
 
 def _has_triton_backend() -> bool:

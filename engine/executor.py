@@ -105,6 +105,11 @@ class Executor:
     def execute_hidden(self, step: StepInput) -> torch.Tensor:
         return self._guard(lambda: self._tell(("execute_hidden", step)) or self.runner.execute_hidden(step))
 
+    def apply_offload(self, ops: list[tuple]) -> None:
+        """Run offload ops on every rank outside a step (the disk tier's reads for a request that waits on them
+        while nothing else runs)."""
+        self._guard(lambda: self._tell(("offload", ops)) or self.runner.offload.apply(ops))
+
     def _tell(self, msg: Any) -> None:
         if self.world_size > 1:
             get_world_group().broadcast_object(msg, src=0)
@@ -154,6 +159,9 @@ class Executor:
         if self._closing:
             return
         self._closing = True
+        store = getattr(getattr(self, "runner", None), "offload", None)
+        if store is not None and store.disk is not None and self.dead is None:
+            store.disk.flush()  # the blocks spilled so far reach their files (a later server reads them)
         if self.world_size > 1 and self.dead is None and hasattr(self, "runner"):  # (not while starting: no step loop)
             try:
                 get_world_group().broadcast_object(None, src=0)

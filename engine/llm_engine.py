@@ -64,9 +64,15 @@ class LLMEngine:
             config.max_model_len = capacity
         self.max_model_len = config.max_model_len
         offload = None
-        if self.runner.offload is not None:
-            offload = OffloadTier(self.runner.offload.num_slots, a.kv_offloading_eviction,
-                                  self.runner.block_bytes_all_ranks)
+        store = self.runner.offload
+        if store is not None:
+            disk = store.disk  # rank 0's: the files it holds already, how its fetches go, whether it still works
+            offload = OffloadTier(
+                store.num_slots, a.kv_offloading_eviction, self.runner.block_bytes_all_ranks,
+                disk_blocks=int(a.kv_offloading_disk_size * (1 << 30)) // self.runner.block_bytes_all_ranks
+                if disk is not None else 0,
+                on_disk=disk.scan() if disk is not None else None, fetch_result=store.fetch_result,
+                disk_broken=lambda: disk is not None and disk.broken)
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
         # steps started and not completed (more than one only with pipeline stages), and their sequences
@@ -227,6 +233,9 @@ class LLMEngine:
         so = self.structured_output_manager
         if so.waiting:
             self._release_guided()
+        tier = self.block_manager.offload
+        if tier is not None and tier.fetching:
+            tier.poll()  # blocks read back from disk: their requests may run now
         depth = self.executor.pipeline_depth
         if len(self.in_flight) < depth:
             cap = None
@@ -244,11 +253,15 @@ class LLMEngine:
                 if len(self.in_flight) < depth:
                     return []  # room for one more step on the stages before this one's logits are needed
             elif not self.in_flight:
+                if tier is not None and tier.ops:  # reads from disk for requests that wait on them: start them now
+                    self.executor.apply_offload(tier.take_ops())
                 wake = self.scheduler.next_wakeup
                 if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
                     time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
                 elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
                     so.wait(0.05)
+                elif tier is not None and tier.fetching and self.sleep_when_held:  # only reads from disk
+                    time.sleep(0.001)
                 return []
         scheduled, needs_logits, started = self.in_flight.popleft()
         self.in_flight_seqs.difference_update(seq for seq, _ in scheduled)

@@ -48,12 +48,19 @@ class MemoryMonitor:
 
 
 def _offload_stats(tier: Any) -> dict[str, float | int]:
-    """The CPU offload tier (engine/kv_offload/): its size and use in GiB (all ranks), blocks, and its hit rate
-    (prompt tokens found there, of those looked up there); zeros when it is off."""
+    """The offload tiers (engine/kv_offload/), CPU and disk: each one's size and use in GiB (all ranks), blocks, and
+    hit rate (prompt tokens found there, of those looked up there); zeros for a tier that is off."""
+    out: dict[str, float | int] = {}
+    for name in ("cpu", "disk"):
+        out.update({f"offload_{name}_capacity": 0.0, f"offload_{name}_used": 0.0, f"offload_{name}_blocks": 0,
+                    f"offload_{name}_hit_rate": 0.0})
     if tier is None:
-        return {"offload_cpu_capacity": 0.0, "offload_cpu_used": 0.0, "offload_cpu_blocks": 0,
-                "offload_cpu_hit_rate": 0.0}
-    st = tier.stats
-    return {"offload_cpu_capacity": tier.num_slots * tier.block_bytes / 2**30,
-            "offload_cpu_used": len(tier) * tier.block_bytes / 2**30, "offload_cpu_blocks": len(tier),
-            "offload_cpu_hit_rate": st.hits / st.queries if st.queries else 0.0}
+        return out
+    st, gib = tier.stats, tier.block_bytes / 2**30
+    out.update(offload_cpu_capacity=tier.num_slots * gib, offload_cpu_used=len(tier) * gib,
+               offload_cpu_blocks=len(tier), offload_cpu_hit_rate=st.hits / st.queries if st.queries else 0.0)
+    if tier.disk is not None:
+        out.update(offload_disk_capacity=tier.disk.capacity * gib, offload_disk_used=len(tier.disk) * gib,
+                   offload_disk_blocks=len(tier.disk),
+                   offload_disk_hit_rate=st.disk_hits / st.disk_queries if st.disk_queries else 0.0)
+    return out

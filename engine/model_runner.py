@@ -147,7 +147,13 @@ class ModelRunner:
         a = self.config.args
         if a.kv_offloading_size <= 0 or not a.enable_prefix_caching or self.model.pooling:
             return None
-        return OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks)
+        disk_dir = None
+        if a.kv_offloading_disk_dir is not None:
+            from kvgate.engine.kv_offload.disk import rank_directory
+
+            disk_dir = rank_directory(self.config, get_world_group().rank)
+        return OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks,
+                            disk_dir)
 
     def _num_blocks(self) -> int:
         a = self.config.args

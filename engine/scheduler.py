@@ -188,6 +188,8 @@ class Scheduler:
                     return
             while True:
                 computed = self.bm.get_computed_blocks(seq) if not seq.block_table else []
+                if computed is None:
+                    break  # its prefix is being read from disk: it waits, the requests behind it may run
                 start = len(computed) * bs if computed else seq.num_computed_tokens
                 remaining = len(seq) - start
                 n = min(remaining, self._budget)
@@ -199,6 +201,8 @@ class Scheduler:
                 if victim is None:
                     return  # keep priority order: nothing behind this request jumps the queue
                 self._preempt(victim)
+            if computed is None:
+                continue
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

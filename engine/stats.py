@@ -113,6 +113,12 @@ class EngineStats:
     offload_loaded_bytes: int = 0
     offload_blocks: int = 0
     offload_capacity_blocks: int = 0
+    offload_disk_queries: int = 0  # the disk tier below it, likewise
+    offload_disk_hits: int = 0
+    offload_disk_saved_bytes: int = 0
+    offload_disk_loaded_bytes: int = 0
+    offload_disk_blocks: int = 0
+    offload_disk_capacity_blocks: int = 0
 
 
 def snapshot(engine: "LLMEngine") -> EngineStats:
@@ -137,7 +143,11 @@ def offload_figures(tier: "OffloadTier | None") -> dict[str, int]:
     st, block = tier.stats, tier.block_bytes
     return dict(offload_queries=st.queries, offload_hits=st.hits, offload_saved_bytes=st.saved_blocks * block,
                 offload_loaded_bytes=st.loaded_blocks * block, offload_blocks=len(tier),
-                offload_capacity_blocks=tier.num_slots)
+                offload_capacity_blocks=tier.num_slots, offload_disk_queries=st.disk_queries,
+                offload_disk_hits=st.disk_hits, offload_disk_saved_bytes=st.spilled_blocks * block,
+                offload_disk_loaded_bytes=st.fetched_blocks * block,
+                offload_disk_blocks=len(tier.disk) if tier.disk is not None else 0,
+                offload_disk_capacity_blocks=tier.disk.capacity if tier.disk is not None else 0)
 
 
 def idle(stats: EngineStats) -> EngineStats:

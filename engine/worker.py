@@ -74,6 +74,8 @@ def serve_steps(runner) -> None:
         kind, step = msg
         if kind == "execute":
             runner.execute(step)
+        elif kind == "offload":
+            runner.offload.apply(step)
         else:
             runner.execute_hidden(step)
 
@@ -87,6 +89,8 @@ def run_worker(args: EngineArgs, rank: int, local_rank: int, init_method: str = 
         runner = ModelRunner(config)
         logger.info("rank %d/%d ready on %s (%d KV blocks)", rank, world_size, config.device, runner.num_blocks)
         serve_steps(runner)
+        if runner.offload is not None and runner.offload.disk is not None:
+            runner.offload.disk.flush()
     except BaseException:
         # say why now, and leave without a goodbye: the other ranks may wait in a collective that this rank never
         # joins, and on NCCL destroying the group would wait for it too

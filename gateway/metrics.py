@@ -19,6 +19,9 @@ GAUGES = {
     "kvgate:kv_offload_cpu_blocks": ("KV blocks held in the CPU offload tier.", "offload_blocks"),
     "kvgate:kv_offload_cpu_capacity_blocks": ("KV blocks the CPU offload tier can hold (0: off).",
                                               "offload_capacity_blocks"),
+    "kvgate:kv_offload_disk_blocks": ("KV blocks held in the disk offload tier.", "offload_disk_blocks"),
+    "kvgate:kv_offload_disk_capacity_blocks": ("KV blocks the disk offload tier can hold (0: off).",
+                                               "offload_disk_capacity_blocks"),
 }
 COUNTERS = {
     "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
@@ -34,6 +37,13 @@ COUNTERS = {
                                           "offload_saved_bytes"),
     "kvgate:kv_offload_cpu_loaded_bytes": ("Bytes of KV blocks copied back from the CPU offload tier.",
                                            "offload_loaded_bytes"),
+    "kvgate:kv_offload_disk_queries": ("Prompt tokens looked up in the disk offload tier (missed on the device and "
+                                       "in CPU memory).", "offload_disk_queries"),
+    "kvgate:kv_offload_disk_hits": ("Prompt tokens found in the disk offload tier and read back.", "offload_disk_hits"),
+    "kvgate:kv_offload_disk_saved_bytes": ("Bytes of KV blocks written to the disk offload tier.",
+                                           "offload_disk_saved_bytes"),
+    "kvgate:kv_offload_disk_loaded_bytes": ("Bytes of KV blocks read back intact from the disk offload tier.",
+                                            "offload_disk_loaded_bytes"),
 }
 HISTOGRAMS = {
     TIME_TO_FIRST_TOKEN: "Histogram of time to first token in seconds (arrival to the first token).",

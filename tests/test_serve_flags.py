@@ -67,6 +67,8 @@ NOT_IN_THIS_RUN = {  # arguments the run above cannot also set, each covered els
     "max_batch_size": "an alias of max_num_seqs (test_config)",
     "skip_tokenizer_init": "a chat server needs its tokenizer (test_engine_random)",
     "pooler_config": "for embedding models (test_embeddings)",
+    "kv_offloading_disk_dir": "a directory of its own: test_kv_offload_disk passes it to kvgate serve",
+    "kv_offloading_disk_size": "with kv_offloading_disk_dir (test_kv_offload_disk)",
 }
 
 

@@ -1,74 +1,128 @@
 """OffloadStore: every rank's half of the KV offload tier (engine/kv_offload/tier.py decides, this copies): the
 slots (pinned CPU memory on CUDA) holding this rank's share of each offloaded block (its KV heads, its stage's
-layers), and the SAVE / LOAD copies of a step, queued on the device's stream before the step's forward."""
+layers), and the SAVE / LOAD copies of a step, queued on the device's stream before the step's forward; with a
+disk tier (engine/kv_offload/disk.py), the SPILLs of slots to files, FETCHes of files into slots and DELETEs of
+files, handed to the disk's thread in order."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
 
-from kvgate.engine.kv_offload.tier import SAVE
+from kvgate.engine.kv_offload.disk import DiskStore
+from kvgate.engine.kv_offload.tier import DELETE, FETCH, LOAD, SAVE, SPILL
 
 
 @dataclass
 class OffloadStore:
     kv_cache: torch.Tensor  # the runner's [layers, 2, blocks, block_size, kv_heads, head_dim]
     num_slots: int
+    disk_dir: str | None = None  # this rank's directory of the disk tier (None: no disk tier)
     slots: torch.Tensor = field(init=False)
+    disk: DiskStore | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         kv = self.kv_cache
         shape = (self.num_slots, kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.slots = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
+        self._saved: torch.cuda.Event | None = None  # after the last SAVE copies (CUDA: they run on the stream)
+        if self.disk_dir is not None:
+            self.disk = DiskStore(self.disk_dir, self.slots)
 
-    def apply(self, ops: list[tuple[int, int, int]]) -> None:
-        """Run the copies with the effect of running them one by one in order, batched: the ops split into phases
-        whose SAVEs may all run before their LOADs (the usual pattern, a block saved and then loaded over, makes one
-        phase); per phase one gather of the saved blocks on the device and one scatter of the loaded ones, with one
-        host copy per run of consecutive slots."""
-        for saves, loads in _phases(ops):
+    def apply(self, ops: list[tuple]) -> None:
+        """Run the ops with the effect of running them one by one in order, batched: the ops split into phases
+        whose disk ops may run first, then the SAVEs, then the LOADs (the usual pattern, a block saved and then
+        loaded over, makes one phase); per phase one gather of the saved blocks on the device and one scatter of the
+        loaded ones, with one host copy per run of consecutive slots."""
+        for io, saves, loads in _phases(ops):
+            for kind, slot, key in io:
+                if kind == SPILL:
+                    self._settle((slot,))
+                    if self._saved is not None:
+                        self._saved.synchronize()  # the slot's bytes, saved by an earlier copy, must be there
+                    self.disk.spill(slot, key)  # type: ignore[union-attr]
+                elif kind == FETCH:
+                    self.disk.fetch(slot, key)  # type: ignore[union-attr]
+                else:
+                    self.disk.delete(key)  # type: ignore[union-attr]
             if saves:
                 blocks, slots = zip(*saves)
+                self._settle(slots)
                 staged = self.kv_cache[:, :, list(blocks)].movedim(2, 0).contiguous()  # [n, layers, 2, ...]
                 for i, j, first in _slot_runs(slots):
                     self.slots[first:first + j - i].copy_(staged[i:j], non_blocking=True)
+                if self.kv_cache.is_cuda:
+                    self._saved = torch.cuda.Event()
+                    self._saved.record()
             if loads:
                 blocks, slots = zip(*loads)
+                self._settle(slots, loading=True)
                 kv = self.kv_cache
                 staged = torch.empty((len(loads), *self.slots.shape[1:]), dtype=kv.dtype, device=kv.device)
                 for i, j, first in _slot_runs(slots):
                     staged[i:j].copy_(self.slots[first:first + j - i], non_blocking=True)
                 kv.index_copy_(2, torch.tensor(blocks, device=kv.device), staged.movedim(0, 2))
 
+    def fetch_result(self, slot: int) -> bool | None:
+        """How the fetch into `slot` went: None while it runs, else whether the block arrived intact (told once)."""
+        disk = self.disk
+        if disk is None or slot in disk._pending:
+            return None
+        return disk.results.pop(slot, False)
 
-def _phases(ops: list[tuple[int, int, int]]) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-    """Split ops into phases of (saves, loads), each (block, slot), such that running a phase's saves, then its
-    loads, phase after phase, equals running the ops in order: an op starts a new phase where it would read what a
-    load of the phase writes, write what a load of the phase reads, or hit a block or slot the phase uses twice."""
-    phases: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+    def _settle(self, slots: tuple[int, ...], loading: bool = False) -> None:
+        """Wait for fetches still filling these slots (on a rank other than 0, whose engine waited for its own); a
+        block to load that did not arrive intact here leaves this rank unable to step."""
+        disk = self.disk
+        if disk is None or not (disk._pending or disk.results):
+            return
+        for slot in slots:
+            if (slot in disk._pending or slot in disk.results) and not disk.wait(slot) and loading:
+                raise RuntimeError(f"rank {os.environ.get('RANK', 0)}: the KV disk tier's file of the block to load "
+                                   f"into slot {slot} was missing or corrupt here, and intact on rank 0")
+
+
+def _phases(ops: list[tuple]) -> list[tuple[list[tuple[int, int, bytes]], list[tuple[int, int]],
+                                             list[tuple[int, int]]]]:
+    """Split ops into phases of (disk ops, saves, loads) (saves and loads as (block, slot)) such that running a
+    phase's disk ops, then its saves, then its loads, phase after phase, equals running the ops in order: an op
+    starts a new phase where it would read what a copy of the phase writes, write what one reads, or hit a block or
+    slot the phase uses twice."""
+    phases: list = []
+    io: list[tuple[int, int, bytes]] = []
     saves: list[tuple[int, int]] = []
     loads: list[tuple[int, int]] = []
     saved_slots: set[int] = set()
     loaded_blocks: set[int] = set()
     read_slots: set[int] = set()
-    for kind, block, slot in ops:
+    fetched_slots: set[int] = set()
+    for kind, a, b in ops:
         if kind == SAVE:
-            clash = block in loaded_blocks or slot in read_slots or slot in saved_slots
+            clash = a in loaded_blocks or b in read_slots or b in saved_slots or b in fetched_slots
+        elif kind == LOAD:
+            clash = a in loaded_blocks or b in fetched_slots
+        elif kind in (SPILL, FETCH):
+            clash = a in saved_slots or a in read_slots or a in fetched_slots
         else:
-            clash = block in loaded_blocks
+            clash = False
         if clash:
-            phases.append((saves, loads))
-            saves, loads = [], []
-            saved_slots, loaded_blocks, read_slots = set(), set(), set()
+            phases.append((io, saves, loads))
+            io, saves, loads = [], [], []
+            saved_slots, loaded_blocks, read_slots, fetched_slots = set(), set(), set(), set()
         if kind == SAVE:
-            saves.append((block, slot))
-            saved_slots.add(slot)
+            saves.append((a, b))
+            saved_slots.add(b)
+        elif kind == LOAD:
+            loads.append((a, b))
+            loaded_blocks.add(a)
+            read_slots.add(b)
         else:
-            loads.append((block, slot))
-            loaded_blocks.add(block)
-            read_slots.add(slot)
-    if saves or loads:
-        phases.append((saves, loads))
+            io.append((kind, a, b))
+            if kind == FETCH:
+                fetched_slots.add(a)
+    if io or saves or loads:
+        phases.append((io, saves, loads))
     return phases
 
 

@@ -11,14 +11,22 @@ Two halves, as the blocks themselves:
   each block (its KV heads, its stage's layers), and the copies, queued on the device's stream before the step's
   forward: a SAVE reads a block before the step overwrites it, a LOAD writes one before the step reads it, and the
   host never waits for either.
+
+With a disk tier below (kv_offloading_disk_dir), a block the full CPU tier evicts is SPILLed to a file on every
+rank, and the tier keeps an index of the blocks on disk (its own policy, as big as kv_offloading_disk_size allows,
+DELETEing the files it drops). A prefix hit on disk FETCHes the block into a slot (a background read on every
+rank); its request waits, others run, until rank 0's read is done (`poll`), and the block is then a CPU hit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from kvgate.engine.kv_offload.policy import make_policy
 
-SAVE, LOAD = 0, 1  # the kinds of copy (engine/kv_offload/store.py runs them)
+# the ops (engine/kv_offload/store.py runs them): (SAVE, device block, slot), (LOAD, device block, slot),
+# (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest)
+SAVE, LOAD, SPILL, FETCH, DELETE = range(5)
 
 
 @dataclass
@@ -29,24 +37,42 @@ class OffloadStats:
     loaded_blocks: int = 0  # blocks copied back (prefix hits in the tier)
     evicted_blocks: int = 0  # blocks the policy dropped from the full tier
     dropped_blocks: int = 0  # evicted device blocks not saved: the tier's room was held by blocks being loaded
+    disk_queries: int = 0  # prompt tokens looked up on disk (missed on the device and in CPU memory)
+    disk_hits: int = 0  # of those, tokens found there (fetched, then loaded)
+    spilled_blocks: int = 0  # blocks written to disk
+    fetched_blocks: int = 0  # blocks read back from disk intact
+    failed_fetches: int = 0  # blocks whose file was missing or corrupt (recomputed)
 
 
 class OffloadTier:
-    def __init__(self, num_slots: int, eviction: str = "arc", block_bytes: int = 0) -> None:
+    def __init__(self, num_slots: int, eviction: str = "arc", block_bytes: int = 0, disk_blocks: int = 0,
+                 on_disk: list[bytes] | None = None, fetch_result: Callable[[int], bool | None] | None = None,
+                 disk_broken: Callable[[], bool] = lambda: False) -> None:
+        """`disk_blocks`: the disk tier's capacity (0: none); `on_disk`: the blocks its files hold already, least
+        recently written first; `fetch_result(slot)`: how rank 0's fetch into a slot went (None: still reading);
+        `disk_broken()`: rank 0's disk failed a write (no more spills)."""
         self.num_slots = num_slots
         self.block_bytes = block_bytes  # one block on every rank together (for the byte counters)
         self.policy = make_policy(eviction, num_slots)
         self.slots: dict[bytes, int] = {}  # block digest -> its slot
         self.token_ids: dict[bytes, tuple[int, ...]] = {}  # compared on a hit, as the device cache does
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.ops: list[tuple[int, int, int]] = []  # (SAVE or LOAD, device block, slot), in order
+        self.ops: list[tuple] = []  # in order
         self.stats = OffloadStats()
+        self.disk = make_policy("lru", disk_blocks) if disk_blocks > 0 else None  # the blocks on disk
+        self.fetching: dict[bytes, int] = {}  # block digest -> the slot its file is read into
+        self.fetch_result, self.disk_broken = fetch_result, disk_broken
+        for key in on_disk or []:
+            self._to_disk(key)
 
     def __len__(self) -> int:
         return len(self.slots)
 
     def holds(self, key: bytes, token_ids: tuple[int, ...]) -> bool:
         return key in self.slots and self.token_ids[key] == token_ids
+
+    def on_disk(self, key: bytes) -> bool:
+        return self.disk is not None and key in self.disk and key not in self.slots
 
     def save(self, key: bytes, token_ids: tuple[int, ...], block_id: int, keep: frozenset[bytes] = frozenset()
              ) -> None:
@@ -56,21 +82,68 @@ class OffloadTier:
         if key in self.slots:
             self.policy.access(key)
             return
+        slot = self._take_slot(key, token_ids, keep)
+        if slot is None:
+            self.stats.dropped_blocks += 1
+            return
+        self.ops.append((SAVE, block_id, slot))
+        self.stats.saved_blocks += 1
+
+    def _take_slot(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes]) -> int | None:
+        """A slot for `key`, the block the policy evicts for it spilled to disk (if there is a disk tier); None,
+        changing nothing, when the policy would evict a block of `keep` or one being fetched."""
         evicted = self.policy.access(key)  # (at most one key, for both policies)
-        if any(old in keep for old in evicted):
+        if any(old in keep or old in self.fetching for old in evicted):
             self.policy.remove(key)  # undo: back as it was, the kept one now the most recently used
             for old in evicted:
                 self.policy.access(old)
-            self.stats.dropped_blocks += 1
-            return
+            return None
         for old in evicted:
-            self.free_slots.append(self.slots.pop(old))
+            slot = self.slots.pop(old)
             del self.token_ids[old]
+            self.free_slots.append(slot)
             self.stats.evicted_blocks += 1
+            if self.disk is not None and old not in self.disk and not self.disk_broken():
+                self.ops.append((SPILL, slot, old))
+                self.stats.spilled_blocks += 1
+                self._to_disk(old)
         slot = self.free_slots.pop()
         self.slots[key], self.token_ids[key] = slot, token_ids
-        self.ops.append((SAVE, block_id, slot))
-        self.stats.saved_blocks += 1
+        return slot
+
+    def _to_disk(self, key: bytes) -> None:
+        for old in self.disk.access(key):  # type: ignore[union-attr]
+            self.ops.append((DELETE, 0, old))
+
+    def fetch(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes] = frozenset()) -> bool:
+        """Start reading the block `key` from disk into a slot; False when no slot is free of blocks about to be
+        loaded or fetched (try again later)."""
+        slot = self._take_slot(key, token_ids, keep)
+        if slot is None:
+            return False
+        self.disk.access(key)  # type: ignore[union-attr]
+        self.fetching[key] = slot
+        self.ops.append((FETCH, slot, key))
+        return True
+
+    def poll(self) -> None:
+        """Take in the fetches rank 0 finished: an intact block is a CPU hit now; a missing or corrupt one is
+        forgotten (and its files deleted on every rank)."""
+        unsent = {op[2] for op in self.ops if op[0] == FETCH}  # (not sent to the ranks yet)
+        for key, slot in list(self.fetching.items()):
+            ok = None if key in unsent else self.fetch_result(slot)  # type: ignore[misc]
+            if ok is None:
+                continue
+            del self.fetching[key]
+            if ok:
+                self.stats.fetched_blocks += 1
+                continue
+            self.stats.failed_fetches += 1
+            self.policy.remove(key)
+            self.free_slots.append(self.slots.pop(key))
+            del self.token_ids[key]
+            self.disk.remove(key)  # type: ignore[union-attr]
+            self.ops.append((DELETE, 0, key))
 
     def load(self, key: bytes, block_id: int) -> None:
         """Copy the block `key` into the device block `block_id` (it stays in the tier too)."""
@@ -78,6 +151,6 @@ class OffloadTier:
         self.ops.append((LOAD, block_id, self.slots[key]))
         self.stats.loaded_blocks += 1
 
-    def take_ops(self) -> list[tuple[int, int, int]]:
+    def take_ops(self) -> list[tuple]:
         ops, self.ops = self.ops, []
         return ops
