@@ -6,10 +6,13 @@ then all turn 2, ...), so between two turns of a user the others' prefixes pass 
 The device pool is shrunk (--device-blocks) so that the prefixes together are several times its size: without
 the tier, a user's prefix is evicted before their next turn and prefilled again; with it, it comes back from CPU
 memory. Reported per mode: TTFT p50/p99 of turns 2.. (turn 1 always prefills), throughput, prefix-cache hits.
+With --disk-gib a third run puts a disk tier below a smaller CPU tier: the prefixes the CPU tier cannot hold come
+back from files.
 
   python benchmarks/multiturn.py                                       # CPU: the default model, 8 users x 1024
   python benchmarks/multiturn.py --model benchmarks/configs/qwen3-0.6b --load-format dummy --prefix-len 4096 \\
       --users 16 --device-blocks 1024 --tier-gib 8                      # GPU
+  python benchmarks/multiturn.py --disk-gib 1                          # CPU tier 1 GiB, then 0.25 GiB + disk
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,10 +49,13 @@ def conversations(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]
     return out
 
 
-def run(args: argparse.Namespace, tier_gib: float) -> dict:
+def run(args: argparse.Namespace, tier_gib: float, disk_gib: float = 0.0) -> dict:
     kw = dict(load_format=args.load_format, num_gpu_blocks_override=args.device_blocks,
               max_num_seqs=args.max_num_seqs, kv_offloading_size=tier_gib, kv_offloading_eviction=args.eviction,
               skip_tokenizer_init=args.load_format == "dummy")
+    if disk_gib:
+        kw.update(kv_offloading_disk_dir=args.disk_dir or tempfile.mkdtemp(prefix="kvgate-disk-"),
+                  kv_offloading_disk_size=disk_gib)
     if args.model:
         kw["model"] = args.model
     t0 = time.perf_counter()
@@ -68,11 +75,13 @@ def run(args: argparse.Namespace, tier_gib: float) -> dict:
     tier = bm.offload
     llm.engine.shutdown()
     q = statistics.quantiles(ttft, n=100) if len(ttft) > 1 else ttft * 99
-    return {"tier": f"CPU {tier_gib:g} GiB ({args.eviction})" if tier_gib else "off",
+    label = f"CPU {tier_gib:g} GiB ({args.eviction})" if tier_gib else "off"
+    return {"tier": label + (f" + disk {disk_gib:g} GiB" if disk_gib else ""),
             "TTFT p50 ms": f"{q[49] * 1e3:,.0f}", "TTFT p99 ms": f"{q[98] * 1e3:,.0f}",
             "output tok/s": f"{tokens / seconds:,.1f}", "seconds": f"{seconds:.1f}",
             "prefix hit rate": f"{bm.prefix_cache_hit_rate:.1%}",
-            "tier blocks loaded": tier.stats.loaded_blocks if tier else 0, "start s": f"{start:.1f}"}
+            "tier blocks loaded": tier.stats.loaded_blocks if tier else 0,
+            "of them from disk": tier.stats.fetched_blocks if tier else 0, "start s": f"{start:.1f}"}
 
 
 def main() -> None:
@@ -87,6 +96,10 @@ def main() -> None:
     ap.add_argument("--device-blocks", type=int, default=128, help="KV blocks on the device (16 tokens each)")
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--tier-gib", type=float, default=1.0, help="the CPU tier's size for the run with it")
+    ap.add_argument("--disk-gib", type=float, default=0.0, help="a third run with a disk tier of this size")
+    ap.add_argument("--disk-tier-gib", type=float, default=None,
+                    help="the CPU tier above the disk in that run (default: a quarter of --tier-gib)")
+    ap.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a new temporary one)")
     ap.add_argument("--eviction", default="arc", choices=("arc", "lru"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", metavar="LABEL", help="append the table to benchmarks/RESULTS.md")
@@ -96,9 +109,13 @@ def main() -> None:
     print(f"{device_name()}: {args.users} users x {args.turns} turns, prefixes of {args.prefix_len} tokens; "
           f"working set {working:,} tokens = {ratio:.1f}x the device's {args.device_blocks * 16:,}")
     rows = [run(args, 0.0), run(args, args.tier_gib)]
+    if args.disk_gib:
+        rows.append(run(args, args.disk_tier_gib or args.tier_gib / 4, args.disk_gib))
     print_table(rows)
-    off, on = (float(r["TTFT p50 ms"].replace(",", "")) for r in rows)
+    off, on = (float(r["TTFT p50 ms"].replace(",", "")) for r in rows[:2])
     print(f"TTFT p50: {off / on:.2f}x lower with the tier")
+    if args.disk_gib:
+        print(f"TTFT p50: {off / float(rows[2]['TTFT p50 ms'].replace(',', '')):.2f}x lower with CPU + disk")
     if args.record:
         append_results(args.record, "python " + " ".join(sys.argv), rows, SECTION,
                        note=f"Working set {ratio:.1f}x the device pool; TTFT of turns 2-{args.turns} "

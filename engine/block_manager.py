@@ -79,7 +79,7 @@ class BlockManager:
             elif tier is not None and tier.on_disk(h):
                 keep = frozenset(x for x in hits if isinstance(x, bytes))  # (the CPU hits before it stay)
                 if not tier.fetch(h, ids, keep):
-                    break  # no slot free of blocks in use: the rest is computed
+                    break  # no room now: the rest is computed, or (fetches of its prefix running) asked again
                 tier.stats.disk_queries += bs
                 tier.stats.disk_hits += bs
                 fetching = True

@@ -234,7 +234,7 @@ class LLMEngine:
         if so.waiting:
             self._release_guided()
         tier = self.block_manager.offload
-        if tier is not None and tier.fetching:
+        if tier is not None and (tier.fetching or tier.fetched):
             tier.poll()  # blocks read back from disk: their requests may run now
         depth = self.executor.pipeline_depth
         if len(self.in_flight) < depth:

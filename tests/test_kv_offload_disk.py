@@ -117,9 +117,9 @@ def documents(n: int, length: int) -> list[list[int]]:
 DOCS = documents(6, 192)  # 12 blocks each, 72 in all
 # then the third last document once more: the CPU tier holds it (the device the last two)
 ROUNDS = [[d + [7, 8, 9] for d in DOCS], [d + [10, 11] for d in DOCS], [DOCS[3] + [12, 13]]]
-# the device holds 24 blocks and the CPU tier 0.0002 GiB 26 (of 8 KiB): about 2 documents each; the
-# disk holds them all
-TIERS = dict(num_gpu_blocks_override=24, max_num_seqs=1)
+# the device holds 24 blocks and the CPU tier 0.0002 GiB 26 (of 8 KiB in float32, on a GPU too): about 2
+# documents each; the disk holds them all
+TIERS = dict(num_gpu_blocks_override=24, max_num_seqs=1, dtype="float32")
 
 
 def run_rounds(llm: LLM, rounds: list[list[list[int]]]) -> list[list[list[int]]]:
@@ -206,7 +206,7 @@ sys.path.insert(0, {tests!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as a full disk's does
 resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
 from kvgate.engine import LLM, SamplingParams
-llm = LLM({model!r}, num_gpu_blocks_override=24, max_num_seqs=1, kv_offloading_size=0.0002,
+llm = LLM({model!r}, num_gpu_blocks_override=24, max_num_seqs=1, dtype="float32", kv_offloading_size=0.0002,
           kv_offloading_disk_dir={disk!r}, kv_offloading_disk_size=0.1)
 sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 rounds = json.loads(sys.stdin.read())

@@ -2,14 +2,16 @@
 bytes, this rank's share) to a file; a later prefix hit on disk is fetched back into a slot, then loaded like any
 CPU hit. The files outlive the process: a fresh engine on the same directory serves the prefixes they hold.
 
-One background thread per rank does every read, write and delete, in the order the engine asked for them, so that
-a fetch of a block just spilled finds its file; the step never waits on the disk (rank 0's engine admits a request
-whose blocks are fetched only once they are in their slots).
+A few background threads per rank do the reads, writes and deletes, each block's in the order the engine asked
+for them (a block always goes to the same thread), so that a fetch of a block just spilled finds its file; the step
+never waits on the disk (rank 0's engine admits a request whose blocks are fetched only once they are in their
+slots).
 
 Layout: <kv_offloading_disk_dir>/<identity>/rank<r>/<block digest hex>.kv, where the identity digests the model
 (path, config, weights' format and seed), the dtypes, the block size and the parallel layout: files of another
-model or layout are never read. A file is a header (magic, the block digest, the payload's length and sha256)
-then the payload; it is written to a temporary name and renamed, so a crash leaves no torn file under a block's
+model or layout are never read. A file is a header (magic, the block digest, the payload's length and checksum)
+then the payload (the checksum is a CRC-32: it catches torn and damaged files, not forgeries); it is written to a
+temporary name and renamed, so a crash leaves no torn file under a block's
 name (temporaries are deleted at start), and a file whose checksum does not match is deleted, never served.
 A write that fails (a full or unwritable disk) logs a warning once and turns the disk tier off (`broken`): blocks
 then stay in the CPU tier alone.
@@ -24,13 +26,15 @@ import os
 import queue
 import struct
 import threading
+import zlib
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVGATE-KV1\0"
-HEADER = struct.Struct(f"<{len(MAGIC)}s32sQ32s")  # magic, block digest, payload bytes, payload sha256
+HEADER = struct.Struct(f"<{len(MAGIC)}s32sQI")  # magic, block digest, payload bytes, payload CRC-32
+THREADS = 4
 SUFFIX = ".kv"
 
 
@@ -52,16 +56,16 @@ def rank_directory(config, rank: int) -> str:
 
 
 def encode(key: bytes, payload: bytes) -> bytes:
-    return HEADER.pack(MAGIC, key, len(payload), hashlib.sha256(payload).digest())
+    return HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload))
 
 
 def decode(key: bytes, data: bytes | bytearray, nbytes: int) -> memoryview | None:
     """The payload of a block file's bytes, or None when it is not the intact file of block `key`."""
     if len(data) != HEADER.size + nbytes:
         return None
-    magic, stored_key, length, digest = HEADER.unpack_from(data)
+    magic, stored_key, length, checksum = HEADER.unpack_from(data)
     payload = memoryview(data)[HEADER.size:]
-    if magic != MAGIC or stored_key != key or length != nbytes or hashlib.sha256(payload).digest() != digest:
+    if magic != MAGIC or stored_key != key or length != nbytes or zlib.crc32(payload) != checksum:
         return None
     return payload
 
@@ -75,9 +79,10 @@ class DiskStore:
         self.results: dict[int, bool] = {}  # slot -> fetched intact (True) or not (False); absent while pending
         self._pending: set[int] = set()
         self._done = threading.Condition()
-        self._queue: queue.Queue = queue.Queue()
+        self._queues: list[queue.Queue] = [queue.Queue() for _ in range(THREADS)]
         os.makedirs(directory, exist_ok=True)
-        threading.Thread(target=self._run, name="kvgate-kv-disk", daemon=True).start()
+        for q in self._queues:
+            threading.Thread(target=self._run, args=(q,), name="kvgate-kv-disk", daemon=True).start()
 
     def path(self, key: bytes) -> str:
         return os.path.join(self.directory, key.hex() + SUFFIX)
@@ -102,17 +107,17 @@ class DiskStore:
         """Write the slot's block to disk (a copy is taken now: the slot is reused at once)."""
         if not self.broken:
             data = self.slots[slot].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            self._queue.put(("write", key, data))
+            self._queue(key).put(("write", key, data))
 
     def fetch(self, slot: int, key: bytes) -> None:
         """Read the block's file into the slot; `results[slot]` says how it went."""
         with self._done:
             self._pending.add(slot)
             self.results.pop(slot, None)
-        self._queue.put(("read", key, slot))
+        self._queue(key).put(("read", key, slot))
 
     def delete(self, key: bytes) -> None:
-        self._queue.put(("delete", key, None))
+        self._queue(key).put(("delete", key, None))
 
     def wait(self, slot: int) -> bool:
         """Until the slot's fetch is done: whether the block arrived intact."""
@@ -122,12 +127,16 @@ class DiskStore:
 
     def flush(self) -> None:
         """Until every request so far is done (tests, shutdown)."""
-        self._queue.join()
+        for q in self._queues:
+            q.join()
+
+    def _queue(self, key: bytes) -> queue.Queue:
+        return self._queues[key[0] % THREADS]  # a block's requests on one thread, in order
 
     # ---- the thread ------------------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, requests: queue.Queue) -> None:
         while True:
-            kind, key, arg = self._queue.get()
+            kind, key, arg = requests.get()
             try:
                 if kind == "write":
                     self._write(key, arg)
@@ -140,7 +149,7 @@ class DiskStore:
                 else:
                     _unlink(self.path(key))
             finally:
-                self._queue.task_done()
+                requests.task_done()
 
     def _write(self, key: bytes, data: bytes) -> None:
         if self.broken:
@@ -154,9 +163,10 @@ class DiskStore:
             os.replace(tmp, path)
         except OSError as e:
             _unlink(tmp)
-            self.broken = True
-            logger.warning("the KV disk tier in %s failed to write a block (%s): it is off now, blocks stay in the "
-                           "CPU tier alone", self.directory, e)
+            was, self.broken = self.broken, True
+            if not was:
+                logger.warning("the KV disk tier in %s failed to write a block (%s): it is off now, blocks stay in "
+                               "the CPU tier alone", self.directory, e)
 
     def _read(self, key: bytes, slot: int) -> bool:
         path = self.path(key)

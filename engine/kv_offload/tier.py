@@ -19,6 +19,7 @@ rank); its request waits, others run, until rank 0's read is done (`poll`), and 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -27,6 +28,7 @@ from kvgate.engine.kv_offload.policy import make_policy
 # the ops (engine/kv_offload/store.py runs them): (SAVE, device block, slot), (LOAD, device block, slot),
 # (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest)
 SAVE, LOAD, SPILL, FETCH, DELETE = range(5)
+FETCHED_KEPT_S = 60.0  # how long a block read back from disk is kept for the request that asked for it
 
 
 @dataclass
@@ -61,6 +63,7 @@ class OffloadTier:
         self.stats = OffloadStats()
         self.disk = make_policy("lru", disk_blocks) if disk_blocks > 0 else None  # the blocks on disk
         self.fetching: dict[bytes, int] = {}  # block digest -> the slot its file is read into
+        self.fetched: dict[bytes, float] = {}  # read back and not loaded yet: kept in its slot (since when)
         self.fetch_result, self.disk_broken = fetch_result, disk_broken
         for key in on_disk or []:
             self._to_disk(key)
@@ -91,9 +94,9 @@ class OffloadTier:
 
     def _take_slot(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes]) -> int | None:
         """A slot for `key`, the block the policy evicts for it spilled to disk (if there is a disk tier); None,
-        changing nothing, when the policy would evict a block of `keep` or one being fetched."""
+        changing nothing, when the policy would evict a block of `keep`, or one fetched and not loaded yet."""
         evicted = self.policy.access(key)  # (at most one key, for both policies)
-        if any(old in keep or old in self.fetching for old in evicted):
+        if any(old in keep or old in self.fetching or old in self.fetched for old in evicted):
             self.policy.remove(key)  # undo: back as it was, the kept one now the most recently used
             for old in evicted:
                 self.policy.access(old)
@@ -116,8 +119,11 @@ class OffloadTier:
             self.ops.append((DELETE, 0, old))
 
     def fetch(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes] = frozenset()) -> bool:
-        """Start reading the block `key` from disk into a slot; False when no slot is free of blocks about to be
-        loaded or fetched (try again later)."""
+        """Start reading the block `key` from disk into a slot; False when the blocks fetched and not loaded yet
+        hold half the slots (the other half stays for the device's evictions and the CPU hits), or when no slot is
+        free of blocks about to be loaded (try again later)."""
+        if len(self.fetching) + len(self.fetched) >= max(1, self.num_slots // 2):
+            return False
         slot = self._take_slot(key, token_ids, keep)
         if slot is None:
             return False
@@ -129,6 +135,9 @@ class OffloadTier:
     def poll(self) -> None:
         """Take in the fetches rank 0 finished: an intact block is a CPU hit now; a missing or corrupt one is
         forgotten (and its files deleted on every rank)."""
+        now = time.monotonic()
+        for key in [k for k, t in self.fetched.items() if now - t > FETCHED_KEPT_S]:
+            del self.fetched[key]  # its request went away (aborted): an ordinary CPU block now
         unsent = {op[2] for op in self.ops if op[0] == FETCH}  # (not sent to the ranks yet)
         for key, slot in list(self.fetching.items()):
             ok = None if key in unsent else self.fetch_result(slot)  # type: ignore[misc]
@@ -137,6 +146,7 @@ class OffloadTier:
             del self.fetching[key]
             if ok:
                 self.stats.fetched_blocks += 1
+                self.fetched[key] = time.monotonic()  # kept until loaded (its request is about to come back)
                 continue
             self.stats.failed_fetches += 1
             self.policy.remove(key)
@@ -148,6 +158,7 @@ class OffloadTier:
     def load(self, key: bytes, block_id: int) -> None:
         """Copy the block `key` into the device block `block_id` (it stays in the tier too)."""
         self.policy.access(key)
+        self.fetched.pop(key, None)
         self.ops.append((LOAD, block_id, self.slots[key]))
         self.stats.loaded_blocks += 1
 
