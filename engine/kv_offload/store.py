@@ -43,6 +43,7 @@ class OffloadStore:
                         self._saved.synchronize()  # the slot's bytes, saved by an earlier copy, must be there
                     self.disk.spill(slot, key)  # type: ignore[union-attr]
                 elif kind == FETCH:
+                    self._settle((slot,))  # (a read still filling the slot finishes first)
                     self.disk.fetch(slot, key)  # type: ignore[union-attr]
                 else:
                     self.disk.delete(key)  # type: ignore[union-attr]
