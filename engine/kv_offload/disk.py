@@ -10,9 +10,9 @@ slots).
 Layout: <kv_offloading_disk_dir>/<identity>/rank<r>/<block digest hex>.kv, where the identity digests the model
 (path, config, weights' format and seed), the dtypes, the block size and the parallel layout: files of another
 model or layout are never read. A file is a header (magic, the block digest, the payload's length and checksum)
-then the payload (the checksum is a CRC-32: it catches torn and damaged files, not forgeries); it is written to a
-temporary name and renamed, so a crash leaves no torn file under a block's
-name (temporaries are deleted at start), and a file whose checksum does not match is deleted, never served.
+then the payload (the checksum is a CRC-32: it catches torn and damaged files, not forgeries). It is written to a
+temporary name and renamed, so a crash leaves no torn file under a block's name (temporaries are deleted at start),
+and a file whose checksum does not match is deleted, never served.
 A write that fails (a full or unwritable disk) logs a warning once and turns the disk tier off (`broken`): blocks
 then stay in the CPU tier alone.
 """
@@ -46,7 +46,8 @@ def rank_directory(config, rank: int) -> str:
         os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".gguf", ".bin")))
     identity = {
         "model": path, "weights": [(os.path.basename(f), os.path.getsize(f)) for f in files],
-        "load_format": config.load_format, "seed": a.seed if config.load_format == "dummy" else None,
+        "load_format": config.load_format,  # dummy weights depend on the seed and where they are drawn
+        "seed": [a.seed, config.device.type] if config.load_format == "dummy" else None,
         "config": dataclasses.asdict(config.model_config), "dtype": str(config.dtype),
         "kv_cache_dtype": str(config.kv_cache_dtype), "block_size": a.block_size,
         "layout": [a.tensor_parallel_size, a.pipeline_parallel_size],
