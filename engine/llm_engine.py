@@ -260,7 +260,7 @@ class LLMEngine:
                     time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
                 elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
                     so.wait(0.05)
-                elif tier is not None and tier.fetching and self.sleep_when_held:  # only reads from disk
+                elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
                     time.sleep(0.001)
                 return []
         scheduled, needs_logits, started = self.in_flight.popleft()

@@ -2,7 +2,7 @@
 slots (pinned CPU memory on CUDA) holding this rank's share of each offloaded block (its KV heads, its stage's
 layers), and the SAVE / LOAD copies of a step, queued on the device's stream before the step's forward; with a
 disk tier (engine/kv_offload/disk.py), the SPILLs of slots to files, FETCHes of files into slots and DELETEs of
-files, handed to the disk's thread in order."""
+files, handed to the disk's threads in order."""
 from __future__ import annotations
 
 import os
