@@ -1,11 +1,13 @@
 """The disk tier below the CPU offload tier (engine/kv_offload/disk.py): a block's round trip device -> CPU -> disk
 -> device is bit-exact; greedy tokens are the same with it when the working set is many times the device pool and
-the CPU tier; a fresh engine on the same directory serves a prefix from disk; a corrupt file is deleted and the
-block recomputed; a disk that fails its writes leaves the CPU tier working; bad settings are refused at start."""
+the CPU tier; a fresh engine on the same directory serves a prefix from disk (and a restarted `kvgate serve`
+reports it as cached tokens); a corrupt file is deleted and the block recomputed; a disk that fails its writes
+leaves the CPU tier working; bad settings are refused at start."""
 from __future__ import annotations
 
 import glob
 import json
+import re
 import os
 import subprocess
 import sys
@@ -252,3 +254,41 @@ def test_bad_disk_tier_settings_are_refused_before_anything_loads(tiny_llama: st
                         "--kv-offloading-size", "0.01", "--kv-offloading-disk-dir", str(a_file),
                         "--kv-offloading-disk-size", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "kv_offloading_disk_dir must be a directory" in r.stderr
+
+
+def test_a_restarted_server_reports_a_prefix_from_disk_as_cached_tokens(tiny_llama: str, tmp_path) -> None:
+    """`kvgate serve` with a disk tier: a first turn, then other traffic that pushes its blocks through the device
+    and the CPU tier to disk; the server stops (its files stay) and a new one starts on the directory: the same
+    turn's usage reports its full blocks as cached tokens, and the disk tier's hit metric agrees."""
+    import httpx
+    import openai
+
+    from serve_helpers import free_port, serve
+
+    g = torch.Generator().manual_seed(2)
+    words = " ".join(f"w{int(i)}" for i in torch.randint(0, 400, (40,), generator=g))
+    turn = [{"role": "system", "content": f"Answer from this document: {words}"},
+            {"role": "user", "content": "What is the first word?"}]
+    flags = ["--served-model-name", "tiny", "--dtype", "float32", "--num-gpu-blocks-override", "24",
+             "--max-num-seqs", "1", "--kv-offloading-size", "0.0002", "--kv-offloading-disk-dir", str(tmp_path / "kv"),
+             "--kv-offloading-disk-size", "0.1"]
+    chat = dict(model="tiny", max_tokens=4, temperature=0)
+    answers = []
+    for run in ("first", "restarted"):
+        port = free_port()
+        with serve([tiny_llama, "--port", str(port), *flags], tmp_path / f"serve-{run}.log", port) as (base, _):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+            r = client.chat.completions.create(messages=turn, **chat)
+            answers.append(r.choices[0].message.content)
+            metrics = httpx.get(f"{base}/metrics", timeout=10).text
+            disk_hits = float(re.search(r'^kvgate:kv_offload_disk_hits_total\{model_name="tiny"\} (\S+)$', metrics,
+                                        re.M).group(1))
+            if run == "first":
+                assert r.usage.prompt_tokens_details.cached_tokens == 0 and disk_hits == 0
+                for k in range(3):  # other documents: the turn's blocks leave the device, then the CPU tier
+                    client.completions.create(model="tiny", prompt=[(k * 37 + j) % 500 for j in range(300)],
+                                              max_tokens=2)
+            else:
+                full = (r.usage.prompt_tokens - 1) // 16 * 16
+                assert full > 100 and r.usage.prompt_tokens_details.cached_tokens == full and disk_hits == full
+    assert answers[0] == answers[1]
