@@ -26,7 +26,10 @@ class OffloadStore:
         kv = self.kv_cache
         shape = (self.num_slots, kv.shape[0], kv.shape[1], *kv.shape[3:])
         self.slots = torch.empty(shape, dtype=kv.dtype, pin_memory=kv.is_cuda)
-        self._saved: torch.cuda.Event | None = None  # after the last SAVE copies (CUDA: they run on the stream)
+        # CUDA: the device -> CPU copies of SAVEs run on a stream of their own, next to the step's forward (which
+        # waits only for the gather of the blocks it overwrites); _saved is recorded after the last of them
+        self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
+        self._saved: torch.cuda.Event | None = None
         if self.disk_dir is not None:
             self.disk = DiskStore(self.disk_dir, self.slots)
 
@@ -44,6 +47,8 @@ class OffloadStore:
                     self.disk.spill(slot, key)  # type: ignore[union-attr]
                 elif kind == FETCH:
                     self._settle((slot,))  # (a read still filling the slot finishes first)
+                    if self._saved is not None:
+                        self._saved.synchronize()  # and a copy into it of the block it held before
                     self.disk.fetch(slot, key)  # type: ignore[union-attr]
                 else:
                     self.disk.delete(key)  # type: ignore[union-attr]
@@ -51,19 +56,32 @@ class OffloadStore:
                 blocks, slots = zip(*saves)
                 self._settle(slots)
                 staged = self.kv_cache[:, :, list(blocks)].movedim(2, 0).contiguous()  # [n, layers, 2, ...]
-                for i, j, first in _slot_runs(slots):
-                    self.slots[first:first + j - i].copy_(staged[i:j], non_blocking=True)
-                if self.kv_cache.is_cuda:
-                    self._saved = torch.cuda.Event()
-                    self._saved.record()
+                self._copy_out(staged, slots)
             if loads:
                 blocks, slots = zip(*loads)
                 self._settle(slots, loading=True)
+                if self._saved is not None:  # a slot read here may be one a SAVE still copies into
+                    torch.cuda.current_stream().wait_event(self._saved)
                 kv = self.kv_cache
                 staged = torch.empty((len(loads), *self.slots.shape[1:]), dtype=kv.dtype, device=kv.device)
                 for i, j, first in _slot_runs(slots):
                     staged[i:j].copy_(self.slots[first:first + j - i], non_blocking=True)
                 kv.index_copy_(2, torch.tensor(blocks, device=kv.device), staged.movedim(0, 2))
+
+    def _copy_out(self, staged: torch.Tensor, slots: tuple[int, ...]) -> None:
+        """Copy the gathered blocks into their slots: on CUDA on the copy stream, after the gather, the forward not
+        waiting for it (the staged blocks are kept until the copy is done)."""
+        if self._stream is None:
+            for i, j, first in _slot_runs(slots):
+                self.slots[first:first + j - i].copy_(staged[i:j])
+            return
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            for i, j, first in _slot_runs(slots):
+                self.slots[first:first + j - i].copy_(staged[i:j], non_blocking=True)
+            staged.record_stream(self._stream)
+            self._saved = torch.cuda.Event()
+            self._saved.record()
 
     def fetch_result(self, slot: int) -> bool | None:
         """How the fetch into `slot` went: None while it runs, else whether the block arrived intact (told once)."""
