@@ -16,6 +16,18 @@ def device_name() -> str:
     return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def matched(a: list[list[int]], b: list[list[int]]) -> int:
+    """Greedy tokens two runs share: the common prefix of each prompt's continuation, summed."""
+    return sum(common_prefix(x, y) for x, y in zip(a, b))
+
+
 def print_table(rows: list[dict]) -> None:
     cols = list(rows[0])
     widths = [max(len(str(c)), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]

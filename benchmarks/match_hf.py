@@ -18,18 +18,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from common import append_results, device_name, print_table  # noqa: E402
+from common import append_results, device_name, matched, print_table  # noqa: E402
 from tiny_models import ARCHS, build_tiny_model, random_prompts  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from kvgate.engine import LLM, SamplingParams  # noqa: E402
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def hf_generate(model_dir: str, prompts: list[list[int]], dtype: torch.dtype, n: int, dev: str) -> list[list[int]]:
@@ -53,10 +46,6 @@ def kvgate_generate(model_dir: str, prompts: list[list[int]], dtype: str, n: int
     gc.collect()
     torch.cuda.empty_cache()
     return out
-
-
-def matched(a: list[list[int]], b: list[list[int]]) -> int:
-    return sum(common_prefix(x, y) for x, y in zip(a, b))
 
 
 def main() -> None:

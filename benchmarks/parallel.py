@@ -22,14 +22,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import append_results, device_name, print_table  # noqa: E402
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+from common import append_results, device_name, matched, print_table  # noqa: E402
 
 
 def run_layout(args: argparse.Namespace) -> dict:
@@ -103,10 +96,9 @@ def main() -> None:
             json.dump(run_layout(args), f)
         return
     rows, ref, ref_tps = [], None, None
-    argv = [a for a in sys.argv[1:]]
     for layout in args.layouts:
         out = os.path.join(tempfile.mkdtemp(), "layout.json")
-        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--run", layout, "--out", out]
+        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--run", layout, "--out", out]
         try:
             code = subprocess.run(cmd, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
@@ -120,12 +112,12 @@ def main() -> None:
         if ref is None:
             ref = r["tokens"]
         total = sum(len(t) for t in ref)
-        matched = sum(common_prefix(a, b) for a, b in zip(r["tokens"], ref))
+        same = matched(r["tokens"], ref)
         tps = r.get("output_tok_s")
         ref_tps = ref_tps or tps
         rows.append({"TPxPP": layout, "status": "ok", "dtype": r["dtype"].replace("torch.", ""),
                      "graphs": r["graphs"], "kv_blocks": r["kv_blocks"],
-                     "greedy_matched": f"{matched}/{total}" if total else "-",
+                     "greedy_matched": f"{same}/{total}" if total else "-",
                      "output_tok_s": tps if tps is not None else "-",
                      "vs_first": round(tps / ref_tps, 2) if tps and ref_tps else "-", "load_s": r["load_s"]})
         print(f"# {layout}: {rows[-1]}", flush=True)

@@ -65,7 +65,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.request.skip_reading_prefix_cache:
             return []
         bs, hits, parent, tier = self.block_size, [], None, self.offload
-        fetching = False
+        fetching, cpu_hits = False, set()
         for i in range((len(seq) - 1) // bs):
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = block_digest(parent, ids)
@@ -76,9 +76,9 @@ class BlockManager:
                 fetching = True
             elif tier is not None and tier.holds(h, ids):
                 hits.append(h)
+                cpu_hits.add(h)
             elif tier is not None and tier.on_disk(h):
-                keep = frozenset(x for x in hits if isinstance(x, bytes))  # (the CPU hits before it stay)
-                if not tier.fetch(h, ids, keep):
+                if not tier.fetch(h, ids, cpu_hits):  # (the CPU hits before it stay)
                     break  # no room now: the rest is computed, or (fetches of its prefix running) asked again
                 tier.stats.disk_queries += bs
                 tier.stats.disk_hits += bs

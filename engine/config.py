@@ -145,11 +145,11 @@ def _check_offloading(a: EngineArgs, mc: ModelConfig, kv_dtype: torch.dtype) -> 
     heads = max(mc.num_key_value_heads, a.tensor_parallel_size)
     elem = torch.empty(0, dtype=kv_dtype).element_size()
     block = 2 * mc.num_hidden_layers * a.block_size * heads * mc.head_dim * elem
-    for name in ("kv_offloading_size", "kv_offloading_disk_size"):
-        size = getattr(a, name)
-        if (name == "kv_offloading_size" or a.kv_offloading_disk_dir is not None) and size * (1 << 30) < block:
+    tiers = ["kv_offloading_size"] + (["kv_offloading_disk_size"] if a.kv_offloading_disk_dir is not None else [])
+    for name in tiers:
+        if getattr(a, name) * (1 << 30) < block:
             raise ArgError(name, f"must hold at least one KV block of {mc.architecture} ({block} bytes with "
-                                 f"block_size {a.block_size}), got {size} GiB")
+                                 f"block_size {a.block_size}), got {getattr(a, name)} GiB")
     if a.kv_offloading_disk_dir is not None:
         _check_disk_dir(a.kv_offloading_disk_dir)
 

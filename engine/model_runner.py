@@ -14,6 +14,7 @@ from kvgate.engine.cuda_graph import DecodeGraphs
 from kvgate.engine.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from kvgate.engine.forward_context import forward_context
 from kvgate.engine.kv_offload import OffloadStore
+from kvgate.engine.kv_offload.disk import rank_directory
 from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
 from kvgate.engine.models.parallel import local_units
@@ -147,11 +148,7 @@ class ModelRunner:
         a = self.config.args
         if a.kv_offloading_size <= 0 or not a.enable_prefix_caching or self.model.pooling:
             return None
-        disk_dir = None
-        if a.kv_offloading_disk_dir is not None:
-            from kvgate.engine.kv_offload.disk import rank_directory
-
-            disk_dir = rank_directory(self.config, get_world_group().rank)
+        disk_dir = rank_directory(self.config, get_world_group().rank) if a.kv_offloading_disk_dir else None
         return OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks,
                             disk_dir)
 

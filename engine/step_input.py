@@ -42,9 +42,9 @@ class StepInput:
     added_num_blocks: list[int] = field(default_factory=list)
     added_blocks: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)  # sequences to forget (before new_seqs are read)
-    # KV copies between the cache and the offload tier, in order, before the step's forward: (SAVE or LOAD, block,
-    # slot) (engine/kv_offload/)
-    offload_ops: list[tuple[int, int, int]] = field(default_factory=list)
+    # the offload tiers' ops, in order, before the step's forward: copies between the cache and CPU memory, and the
+    # disk tier's spills, fetches and deletes (their forms: engine/kv_offload/tier.py)
+    offload_ops: list[tuple] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -58,7 +58,7 @@ class StepInputBuilder:
         self.sent: dict[int, list[int]] = {}  # seq id -> [tokens sent, blocks sent]
 
     def build(self, scheduled: list[tuple[Sequence, int]], freed: list[int],
-              offload_ops: list[tuple[int, int, int]] | None = None) -> StepInput:
+              offload_ops: list[tuple] | None = None) -> StepInput:
         """The message for the scheduled (seq, new tokens) pairs; `freed`: ids of the sequences whose blocks were
         dropped since the last message (BlockManager.take_freed); `offload_ops`: OffloadTier.take_ops()."""
         sent = self.sent

@@ -39,7 +39,7 @@ def fetched(store: OffloadStore, tier: OffloadTier) -> None:
 def test_a_block_round_trip_device_cpu_disk_device_is_bit_exact(dtype: torch.dtype, tmp_path) -> None:
     kv = torch.randn(3, 2, 8, 4, 2, 16).to(dtype)
     store = OffloadStore(kv, num_slots=1, disk_dir=str(tmp_path))
-    tier = OffloadTier(1, "lru", disk_blocks=4, fetch_result=store.fetch_result)
+    tier = OffloadTier(1, "lru", disk_blocks=4, fetch_result=store.disk.poll)
     original = kv[:, :, 3].clone()
     tier.save(b"a" * 32, (1, 2), 3)
     tier.save(b"b" * 32, (3, 4), 5)  # the one slot goes to b: a is spilled to disk first
@@ -64,7 +64,7 @@ def test_a_block_round_trip_device_cpu_disk_device_is_bit_exact(dtype: torch.dty
 def test_a_full_disk_index_deletes_the_files_it_drops(tmp_path) -> None:
     kv = torch.randn(1, 2, 8, 4, 1, 4)
     store = OffloadStore(kv, num_slots=1, disk_dir=str(tmp_path))
-    tier = OffloadTier(1, "lru", disk_blocks=2, fetch_result=store.fetch_result)
+    tier = OffloadTier(1, "lru", disk_blocks=2, fetch_result=store.disk.poll)
     for i in range(5):  # each save spills the previous block; the disk keeps the last two
         tier.save(bytes([i]) * 32, (i,), i)
     ops = tier.take_ops()

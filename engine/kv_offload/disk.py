@@ -120,11 +120,21 @@ class DiskStore:
     def delete(self, key: bytes) -> None:
         self._queue(key).put(("delete", key, None))
 
-    def wait(self, slot: int) -> bool:
-        """Until the slot's fetch is done: whether the block arrived intact."""
+    @property
+    def idle(self) -> bool:
+        """No fetch running or unreported."""
+        return not (self._pending or self.results)
+
+    def poll(self, slot: int) -> bool | None:
+        """How the fetch into `slot` went: None while it runs, else whether the block arrived intact (told once)."""
+        with self._done:
+            return None if slot in self._pending else self.results.pop(slot, False)
+
+    def wait(self, slot: int) -> bool | None:
+        """Until a fetch into `slot` is done: whether the block arrived intact (None: no fetch into it unreported)."""
         with self._done:
             self._done.wait_for(lambda: slot not in self._pending)
-            return self.results.pop(slot, False)
+            return self.results.pop(slot, None)
 
     def flush(self) -> None:
         """Until every request so far is done (tests, shutdown)."""

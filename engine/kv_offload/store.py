@@ -40,18 +40,14 @@ class OffloadStore:
         loaded ones, with one host copy per run of consecutive slots."""
         for io, saves, loads in _phases(ops):
             for kind, slot, key in io:
-                if kind == SPILL:
-                    self._settle((slot,))
-                    if self._saved is not None:
-                        self._saved.synchronize()  # the slot's bytes, saved by an earlier copy, must be there
-                    self.disk.spill(slot, key)  # type: ignore[union-attr]
-                elif kind == FETCH:
-                    self._settle((slot,))  # (a read still filling the slot finishes first)
-                    if self._saved is not None:
-                        self._saved.synchronize()  # and a copy into it of the block it held before
-                    self.disk.fetch(slot, key)  # type: ignore[union-attr]
-                else:
+                if kind == DELETE:
                     self.disk.delete(key)  # type: ignore[union-attr]
+                    continue
+                # the host reads (SPILL) or writes (FETCH) the slot: a read or a SAVE copy still landing there first
+                self._settle((slot,))
+                if self._saved is not None:
+                    self._saved.synchronize()
+                (self.disk.spill if kind == SPILL else self.disk.fetch)(slot, key)  # type: ignore[union-attr]
             if saves:
                 blocks, slots = zip(*saves)
                 self._settle(slots)
@@ -83,21 +79,14 @@ class OffloadStore:
             self._saved = torch.cuda.Event()
             self._saved.record()
 
-    def fetch_result(self, slot: int) -> bool | None:
-        """How the fetch into `slot` went: None while it runs, else whether the block arrived intact (told once)."""
-        disk = self.disk
-        if disk is None or slot in disk._pending:
-            return None
-        return disk.results.pop(slot, False)
-
     def _settle(self, slots: tuple[int, ...], loading: bool = False) -> None:
         """Wait for fetches still filling these slots (on a rank other than 0, whose engine waited for its own); a
         block to load that did not arrive intact here leaves this rank unable to step."""
         disk = self.disk
-        if disk is None or not (disk._pending or disk.results):
+        if disk is None or disk.idle:
             return
         for slot in slots:
-            if (slot in disk._pending or slot in disk.results) and not disk.wait(slot) and loading:
+            if disk.wait(slot) is False and loading:
                 raise RuntimeError(f"rank {os.environ.get('RANK', 0)}: the KV disk tier's file of the block to load "
                                    f"into slot {slot} was missing or corrupt here, and intact on rank 0")
 

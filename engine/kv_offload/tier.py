@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import AbstractSet, Callable
 
 from kvgate.engine.kv_offload.policy import make_policy
 
@@ -77,7 +77,7 @@ class OffloadTier:
     def on_disk(self, key: bytes) -> bool:
         return self.disk is not None and key in self.disk and key not in self.slots
 
-    def save(self, key: bytes, token_ids: tuple[int, ...], block_id: int, keep: frozenset[bytes] = frozenset()
+    def save(self, key: bytes, token_ids: tuple[int, ...], block_id: int, keep: AbstractSet[bytes] = frozenset()
              ) -> None:
         """The device is about to reuse `block_id`, which holds the block `key`: keep a copy (unless the tier holds
         that content already), evicting what the policy says, but never a block of `keep` (about to be loaded: its
@@ -92,7 +92,7 @@ class OffloadTier:
         self.ops.append((SAVE, block_id, slot))
         self.stats.saved_blocks += 1
 
-    def _take_slot(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes]) -> int | None:
+    def _take_slot(self, key: bytes, token_ids: tuple[int, ...], keep: AbstractSet[bytes]) -> int | None:
         """A slot for `key`, the block the policy evicts for it spilled to disk (if there is a disk tier); None,
         changing nothing, when the policy would evict a block of `keep`, or one fetched and not loaded yet."""
         evicted = self.policy.access(key)  # (at most one key, for both policies)
@@ -118,7 +118,7 @@ class OffloadTier:
         for old in self.disk.access(key):  # type: ignore[union-attr]
             self.ops.append((DELETE, 0, old))
 
-    def fetch(self, key: bytes, token_ids: tuple[int, ...], keep: frozenset[bytes] = frozenset()) -> bool:
+    def fetch(self, key: bytes, token_ids: tuple[int, ...], keep: AbstractSet[bytes] = frozenset()) -> bool:
         """Start reading the block `key` from disk into a slot; False when the blocks fetched and not loaded yet
         hold half the slots (the other half stays for the device's evictions and the CPU hits), or when no slot is
         free of blocks about to be loaded (try again later)."""
