@@ -36,7 +36,7 @@ def norm(dim: int, dtype: torch.dtype) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,dim", [(1, 64), (5, 96), (3, 1024)])
+@pytest.mark.parametrize("rows,dim", [(1, 64), (5, 96), (3, 1024), (70, 96)])  # 70: several programs
 def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: int) -> None:
     torch.manual_seed(rows * dim)
     m = norm(dim, dtype)
@@ -53,7 +53,7 @@ def test_rms_norm_with_and_without_residual(dtype: torch.dtype, rows: int, dim: 
 def test_rms_norm_of_strided_head_views(dtype: torch.dtype) -> None:
     """q/k norms run on [tokens, heads, head_dim] views of the fused qkv projection."""
     torch.manual_seed(0)
-    tokens, heads, kv_heads, d = 7, 4, 2, 16
+    tokens, heads, kv_heads, d = 37, 4, 2, 16  # a program (64 head rows) ends inside a token
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype)
     q = qkv[:, : heads * d].view(tokens, heads, d)
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
