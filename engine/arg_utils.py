@@ -153,6 +153,9 @@ class EngineArgs:
                                                          "torchrun, Slurm, ...: `kvgate worker` on the others)",
                                                    choices=EXECUTOR_BACKENDS)
     enforce_eager: bool = arg(False, "on CUDA, no CUDA graphs")
+    async_scheduling: bool | None = arg(None, "schedule and start each step while the device runs the one before "
+                                              "(sampled tokens reach the host a step late; one rank only; default: "
+                                              "on with CUDA and one rank)")
     skip_tokenizer_init: bool = arg(False, "load no tokenizer: prompts are token ids, outputs have no text")
     engine_core_process: bool | None = arg(None, "run the engine loop in a process of its own (default: on CUDA)")
     on_engine_core_death: str = arg("restart", "what happens when the engine core process dies (killed, out of "
@@ -196,6 +199,9 @@ class EngineArgs:
             raise ArgError("distributed_executor_backend", f"uni runs one rank, and tensor_parallel_size x "
                                                            f"pipeline_parallel_size is {world}: use mp or "
                                                            f"external_launcher")
+        if self.async_scheduling and world > 1:
+            raise ArgError("async_scheduling", f"runs one rank, and tensor_parallel_size x pipeline_parallel_size is "
+                                               f"{world} (pipeline stages overlap their steps already)")
         if self.device != "auto" and not _is_device(self.device):
             raise ArgError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.pooler_config is not None and self.runner == "generate":

@@ -149,17 +149,19 @@ class BlockManager:
         return bid
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the blocks that became full (all tokens computed) in the prefix cache."""
+        """Register the blocks that became full (all tokens computed, or being computed by a step in flight, which
+        runs before any step that could read them) in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs  # a pending token's id is not known yet
+        for i in range(seq.num_hashed_blocks, full):
             parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
             ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = block_digest(parent, ids), ids
             self.cached.setdefault(block.hash, block.block_id)  # the first copy stays the cached one
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // bs)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references, tail first, so that a sequence's last blocks are evicted before its first."""

@@ -33,6 +33,7 @@ class EngineConfig:
     served_model_name: str
     runner: str = "generate"
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
+    async_scheduling: bool = False  # resolved: the argument, else on for a generate runner on one CUDA device
 
     default_sampling_params: dict[str, Any] = field(default_factory=dict)  # from generation_config
     extra: dict = field(default_factory=dict)
@@ -89,10 +90,13 @@ class EngineConfig:
         _check_offloading(a, model_config, kv_dtype)
         name = a.served_model_name or _default_name(a.model, model_path)
         defaults = load_generation_defaults(a.generation_config, model_path) if runner == "generate" else {}
+        one_rank = a.tensor_parallel_size * a.pipeline_parallel_size == 1
+        overlap = a.async_scheduling if a.async_scheduling is not None else device.type == "cuda" and one_rank
         return cls(args=a, model_path=model_path, load_format=load_format, model_config=model_config, dtype=dtype,
                    kv_cache_dtype=kv_dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=budget, attention_backend=backend, served_model_name=name,
-                   runner=runner, pooler_config=pooler, default_sampling_params=defaults)
+                   runner=runner, pooler_config=pooler, default_sampling_params=defaults,
+                   async_scheduling=runner == "generate" and overlap)
 
 
 def check_engine_args(a: EngineArgs) -> None:

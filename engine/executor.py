@@ -95,9 +95,10 @@ class Executor:
     def execute(self, step: StepInput) -> torch.Tensor:
         return self.finish(self.start(step))
 
-    def start(self, step: StepInput) -> Any:
-        """Start a step on every rank; its logits come from finish(), in the order steps started."""
-        return self._guard(lambda: self._tell(("execute", step)) or self.runner.start(step))
+    def start(self, step: StepInput, sampled: torch.Tensor | None = None) -> Any:
+        """Start a step on every rank; its logits come from finish(), in the order steps started. `sampled`: the
+        previous step's sampled tokens on the device, for the step's pending tokens (async scheduling: one rank)."""
+        return self._guard(lambda: self._tell(("execute", step)) or self.runner.start(step, sampled))
 
     def finish(self, started: Any) -> torch.Tensor:
         return self._guard(lambda: self.runner.finish(started))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -20,9 +21,9 @@ from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, Pooli
     RequestOutput
 from kvgate.engine.pooler import Pooler
 from kvgate.engine.pooling_params import PoolerConfig, PoolingParams, check_runner
-from kvgate.engine.sampler import Sampler
+from kvgate.engine.sampler import SampledTokens, Sampler, to_device
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
-from kvgate.engine.scheduler import Scheduler
+from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
 from kvgate.engine.stats import LatencyStats
 from kvgate.engine.step_input import StepInput, StepInputBuilder
@@ -33,6 +34,17 @@ from kvgate.engine.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class StepInFlight:
+    """A started step: what was scheduled, the rows it samples (a request's n samples share its logits row: `index`
+    is each row's logits row), the executor's handle, and (async scheduling) its tokens, sampled already."""
+    out: SchedulerOutput
+    rows: list[Sequence]
+    index: list[int]
+    started: Any
+    sampled: SampledTokens | None = None
 
 
 def encode_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -76,12 +88,18 @@ class LLMEngine:
                 disk_broken=lambda: disk is not None and disk.broken)
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
-        # steps started and not completed (more than one only with pipeline stages), and their sequences
-        self.in_flight: collections.deque[tuple[list[tuple[Sequence, int]], list[bool], Any]] = collections.deque()
-        self.in_flight_seqs: set[Sequence] = set()
+        # async scheduling (one rank): step N+1 is scheduled and started while the device runs step N, its pending
+        # tokens taken from N's sampled tokens on the device; the host reads N's tokens one step late
+        self.async_scheduling = config.async_scheduling
+        # steps started and not completed: up to one per pipeline stage, or two with async scheduling
+        self.depth = 2 if self.async_scheduling else self.executor.pipeline_depth
+        self.in_flight: collections.deque[StepInFlight] = collections.deque()
+        self.in_flight_seqs: set[Sequence] = set()  # pipeline stages: the sequences of the steps in flight
+        self.last_sampled: SampledTokens | None = None  # async: the latest started step's tokens
+        self.last_rows: dict[int, int] = {}  # async: seq id -> its row in last_sampled
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
-                                   a.scheduler_delay, a.priority_aging_rate)
+                                   a.scheduler_delay, a.priority_aging_rate, self.async_scheduling)
         eos = list(config.model_config.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -220,39 +238,41 @@ class LLMEngine:
         """End the parallel workers, if any (the engine cannot step afterwards); steps in flight are completed
         first, their results dropped."""
         while self.in_flight and self.executor.dead is None:
+            f = self.in_flight.popleft()
+            if f.sampled is not None:
+                continue
             try:
-                self.executor.finish(self.in_flight.popleft()[2])
+                self.executor.finish(f.started)
             except RuntimeError:
                 break
         self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------------------------------
     def step(self) -> list[EngineOutput]:
-        """Schedule and run a step, sample its tokens and return the outputs. With pipeline stages, up to one step
-        per stage is in flight (vLLM's virtual engines): a call starts a step over sequences not already in flight
-        and returns [] while there is room for another; otherwise it completes the oldest."""
+        """Schedule and start a step, complete the oldest started one (its sampled tokens appended, stop checks,
+        outputs) and return its outputs. Up to `depth` steps are in flight: with pipeline stages one per stage over
+        sequences not already in flight (vLLM's virtual engines); with async scheduling two, the newer one started
+        before the older one's tokens reached the host. A call that started a step while there was room for another
+        returns []."""
         so = self.structured_output_manager
         if so.waiting:
             self._release_guided()
         tier = self.block_manager.offload
         if tier is not None and (tier.fetching or tier.fetched):
             tier.poll()  # blocks read back from disk: their requests may run now
-        depth = self.executor.pipeline_depth
+        depth = self.depth
         if len(self.in_flight) < depth:
             cap = None
-            if depth > 1:  # the steps in flight share the sequences: each takes its part
+            if depth > 1 and not self.async_scheduling:  # pipeline stages: the steps in flight share the sequences
                 sched = self.scheduler
                 cap = max(1, -(-min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs) // depth))
             out = self.scheduler.schedule(exclude=self.in_flight_seqs, max_seqs=cap)
             if not out.is_empty:
                 if self.pooler is not None:
-                    return self._pooling_step(out.scheduled)
-                needs_logits = [seq.num_computed_tokens + n == len(seq) for seq, n in out.scheduled]
-                started = self.executor.start(self._step_input(out.scheduled))
-                self.in_flight.append((out.scheduled, needs_logits, started))
-                self.in_flight_seqs.update(seq for seq, _ in out.scheduled)
+                    return self._pooling_step(out)
+                self.in_flight.append(self._start(out))
                 if len(self.in_flight) < depth:
-                    return []  # room for one more step on the stages before this one's logits are needed
+                    return []  # room for one more step before this one's tokens are needed
             elif not self.in_flight:
                 if tier is not None and tier.ops:  # reads from disk for requests that wait on them: start them now
                     self.executor.apply_offload(tier.take_ops())
@@ -264,28 +284,17 @@ class LLMEngine:
                 elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
                     time.sleep(0.001)
                 return []
-        scheduled, needs_logits, started = self.in_flight.popleft()
-        self.in_flight_seqs.difference_update(seq for seq, _ in scheduled)
-        return self._complete(scheduled, needs_logits, self.executor.finish(started))
+        return self._complete(self.in_flight.popleft())
 
-    def _complete(self, scheduled: list[tuple[Sequence, int]], needs_logits: list[bool], logits: torch.Tensor
-                  ) -> list[EngineOutput]:
-        """A step's results: computed tokens, prefix-cache blocks, forks, sampled tokens, outputs. A sequence that
-        finished while its step was in flight (aborted) is skipped."""
-        so = self.structured_output_manager
-        self.num_steps += 1
-        sampling: list[tuple[int, Sequence]] = []  # (its logits row, seq)
-        row = 0
-        for (seq, n), needs in zip(scheduled, needs_logits):
-            if not seq.is_finished:
-                seq.num_computed_tokens += n
-                self.block_manager.cache_full_blocks(seq)
-                if needs:
-                    sampling.append((row, seq))
-            row += needs
+    def _start(self, out: SchedulerOutput) -> StepInFlight:
+        """Start a scheduled step: fork the n > 1 samples of a prompt it completes, send the step to the ranks and,
+        with async scheduling, sample its logits on the device. Each sampled row has one more pending token."""
         rows: list[Sequence] = []
         index: list[int] = []
-        for i, seq in sampling:
+        row = 0
+        for (seq, _), wanted in zip(out.scheduled, out.samples):
+            if not wanted:
+                continue
             req = seq.request
             targets = [seq]
             if seq.index == 0 and req.sampling_params.n > 1 and not req.forked:
@@ -295,18 +304,63 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                 targets = req.seqs
             rows.extend(targets)
-            index.extend([i] * len(targets))
-        if not rows:
-            return []
+            index.extend([row] * len(targets))
+            row += 1
+        bm = self.block_manager
+        step = self.step_inputs.build(out, bm.take_freed(), bm.offload.take_ops() if bm.offload else None,
+                                      self.last_rows if self.async_scheduling else None)
+        last = self.last_sampled.token_ids if self.last_sampled is not None and step.pending_rows else None
+        started = self.executor.start(step, last)
+        f = StepInFlight(out, rows, index, started)
+        if self.async_scheduling and rows:
+            f.sampled = self._sample(self.executor.finish(started), rows, index)
+            self.last_sampled, self.last_rows = f.sampled, {s.seq_id: i for i, s in enumerate(rows)}
+        if self.depth > 1 and not self.async_scheduling:
+            self.in_flight_seqs.update(seq for seq, _ in out.scheduled)
+        for s in rows:
+            s.num_pending += 1
+        return f
+
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int]) -> SampledTokens:
+        """Sample the rows (guided ones masked: their masks are filled here, while the step's kernels run)."""
+        so = self.structured_output_manager
         guide = None
-        if so.active:  # guided rows: fill their masks (on GPU, while the step's kernels run)
+        if so.active:
             guide = so.prepare_step(rows, [s.tokens_left(self.max_model_len) if s.grammar is not None else None
                                            for s in rows])
-        result = self.sampler(logits[torch.tensor(index, device=logits.device)], rows, guide)
+        if len(index) != logits.shape[0] or index[-1] != len(index) - 1:  # n > 1: rows share a logits row
+            logits = logits[to_device(index, torch.long, logits.device)]
+        return self.sampler.sample(logits, rows, guide)
+
+    def _complete(self, f: StepInFlight) -> list[EngineOutput]:
+        """A started step's results: its sampled tokens on the host, prefix-cache blocks, outputs. A sequence that
+        finished while the step was in flight (aborted, or stopped by the step before: async scheduling) is
+        skipped."""
+        self.num_steps += 1
+        if self.depth > 1 and not self.async_scheduling:
+            self.in_flight_seqs.difference_update(seq for seq, _ in f.out.scheduled)
+        rows = f.rows
+        sampled = f.sampled
+        if sampled is None:  # sampled now: the rows' tokens are no longer pending while they are drawn
+            for seq in rows:
+                seq.num_pending -= 1
+            logits = self.executor.finish(f.started)
+            sampled = self._sample(logits, rows, f.index) if rows else None
+        for seq, _ in f.out.scheduled:
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
+        if sampled is None:
+            return []
+        result = self.sampler.result(sampled)
         touched: dict[str, Request] = {}
-        for row, token, lp in zip(rows, result.token_ids, result.logprobs):
-            self._append_token(row, token, lp)
-            touched[row.request.request_id] = row.request
+        for seq, token, lp in zip(rows, result.token_ids, result.logprobs):
+            if f.sampled is not None:
+                seq.num_pending -= 1
+            if seq.is_finished:
+                continue
+            self._append_token(seq, token, lp)
+            touched[seq.request.request_id] = seq.request
+        so = self.structured_output_manager
         outputs, now = [], time.monotonic()
         for req in touched.values():
             self.latency_stats.on_tokens(req, now)
@@ -319,10 +373,6 @@ class LLMEngine:
                     so.finish(req)
                 self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
-
-    def _step_input(self, scheduled: list[tuple[Sequence, int]]) -> StepInput:
-        bm = self.block_manager
-        return self.step_inputs.build(scheduled, bm.take_freed(), bm.offload.take_ops() if bm.offload else None)
 
     def _release_guided(self) -> None:
         """Schedule the guided requests whose grammar is now compiled; fail those whose spec was invalid."""
@@ -338,13 +388,14 @@ class LLMEngine:
             self.num_prompt_tokens -= len(req.prompt_token_ids)
             self.failed.append((req.request_id, error))
 
-    def _pooling_step(self, scheduled: list[tuple[Sequence, int]]) -> list[EngineOutput]:
+    def _pooling_step(self, out: SchedulerOutput) -> list[EngineOutput]:
         """Prefill chunks only: every sequence whose prompt is now computed is pooled and finishes ("stop")."""
-        pooled = self.pooler.step(self.executor.execute_hidden(self._step_input(scheduled)), scheduled)
+        bm = self.block_manager
+        step = self.step_inputs.build(out, bm.take_freed(), bm.offload.take_ops() if bm.offload else None)
+        pooled = self.pooler.step(self.executor.execute_hidden(step), out.scheduled, out.num_computed)
         self.num_steps += 1
-        for seq, n in scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
+        for seq, _ in out.scheduled:
+            bm.cache_full_blocks(seq)
         outputs: list[EngineOutput] = []
         now = time.monotonic()
         for (seq, _), embedding in zip(pooled, self.pooler.finish(pooled)):

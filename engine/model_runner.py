@@ -201,27 +201,28 @@ class ModelRunner:
         logger.info("KV cache budget %.2f GiB (peak step %.2f GiB)", budget / 2**30, peak / 2**30)
         return budget
 
-    def prepare(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def prepare(self, step: StepInput, sampled: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
         """Flat step tensors for the step's scheduled sequences (decodes first); also the rows whose logits are
-        needed (each sequence whose known tokens are then all computed)."""
+        needed. `sampled`: the tokens the step before sampled, on the device, for the step's pending tokens
+        (async scheduling)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts, seq_lens, logits_rows = [0], [], []
-        num_decodes = 0
         states = self.state.apply(step)
-        for s, n, c in zip(states, step.num_new_tokens, step.num_computed_tokens):
-            length = len(s.token_ids)
-            if n == 1 and length - c == 1:
-                num_decodes += 1
-            input_ids.extend(s.token_ids[c:c + n])
+        for s, n, c, wanted in zip(states, step.num_new_tokens, step.num_computed_tokens, step.samples):
+            tokens = s.token_ids[c:c + n]
+            input_ids.extend(tokens)
+            if len(tokens) < n:  # its last token is pending: filled in on the device below
+                input_ids.extend([0] * (n - len(tokens)))
             positions.extend(range(c, c + n))
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
-            if c + n == length:
+            if wanted:
                 logits_rows.append(starts[-1] - 1)
         max_blocks = max(len(s.block_table) for s in states)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in states]
@@ -232,10 +233,14 @@ class ModelRunner:
 
         md = AttentionMetadata(
             slot_mapping=t(slots, torch.long), query_start_loc=t(starts, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=num_decodes,
+            seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=step.num_decodes,
             max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens), block_size=bs,
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        return t(input_ids, torch.long), t(positions, torch.long), md, logits_rows
+        ids = t(input_ids, torch.long)
+        if step.pending_rows:
+            dst = t([starts[i + 1] - 1 for i in step.pending_rows], torch.long)
+            ids[dst] = sampled[t(step.pending_src, torch.long)]  # type: ignore[index]
+        return ids, t(positions, torch.long), md, logits_rows
 
     def _local_forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_rows: int) -> None:
         """This stage's part of a step with made-up inputs (warm-up, memory profile): nothing is sent."""
@@ -254,11 +259,11 @@ class ModelRunner:
         return self.finish(self.start(step))
 
     @torch.inference_mode()
-    def start(self, step: StepInput) -> tuple[torch.Tensor | None, int]:
+    def start(self, step: StepInput, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor | None, int]:
         """This rank's part of a step: (its logits where it has them, the number of logits rows). With pipeline
         stages rank 0 only runs the first stage here and takes the logits later (finish), so that it can start the
         next batch while the other stages work on this one; the last stage sends them without waiting."""
-        hidden, rows = self._forward(step)
+        hidden, rows = self._forward(step, sampled)
         logits = None
         if hidden is not None:  # the last stage
             if not rows:
@@ -301,13 +306,13 @@ class ModelRunner:
     def _last_stage_first_rank(self) -> int:
         return (self.pp.world_size - 1) * get_tp_group().world_size
 
-    def _forward(self, step: StepInput) -> tuple[torch.Tensor | None, list[int]]:
+    def _forward(self, step: StepInput, sampled: torch.Tensor | None = None) -> tuple[torch.Tensor | None, list[int]]:
         """This stage's part of one step: (the last stage's final hidden states of every scheduled token, else None;
         the rows whose logits are needed). Other stages receive the previous stage's hidden states and send theirs
         on."""
         if step.offload_ops:  # before the forward overwrites (SAVE) or reads (LOAD) those blocks
             self.offload.apply(step.offload_ops)  # type: ignore[union-attr]
-        input_ids, positions, md, rows = self.prepare(step)
+        input_ids, positions, md, rows = self.prepare(step, sampled)
         intermediate = None
         if not self.pp.is_first:
             shape = (input_ids.shape[0], self.config.model_config.hidden_size)

@@ -30,9 +30,10 @@ class Pooler:
     def __init__(self, config: PoolerConfig) -> None:
         self.config = config
 
-    def step(self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, torch.Tensor]]:
+    def step(self, hidden: torch.Tensor, scheduled: list[tuple[Sequence, int]], computed: list[int]
+             ) -> list[tuple[Sequence, torch.Tensor]]:
         """Take this step's share of every scheduled sequence from `hidden` ([num_tokens, hidden_size], rows in the
-        scheduled order). Call it before num_computed_tokens advances. Returns (seq, pooled float32 vector) for each
+        scheduled order; `computed`: each one's tokens computed before this step). Returns (seq, pooled float32 vector) for each
         sequence whose prompt this step completes, in scheduled order: the one place that decides which sequences
         pool this step. Their partial state is cleared."""
         kind = self.config.pooling_type
@@ -44,8 +45,7 @@ class Pooler:
             sums.index_add_(0, segment, hidden.float())
         done: list[tuple[Sequence, torch.Tensor]] = []
         row = 0
-        for i, (seq, n) in enumerate(scheduled):
-            start = seq.num_computed_tokens
+        for i, ((seq, n), start) in enumerate(zip(scheduled, computed)):
             if sums is not None:
                 seq.pooled = sums[i] if start == 0 else _partial(seq) + sums[i]
             elif kind == "CLS" and start == 0:

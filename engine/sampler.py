@@ -1,5 +1,11 @@
 """Sampler: the grammar mask of guided rows, penalties, min_tokens, temperature/top-k/top-p/min-p, seeded sampling
-and logprobs, per row."""
+and logprobs, as batched tensor code.
+
+`sample` leaves the tokens on the device and starts their copy to the host without waiting for it (async
+scheduling feeds them to the next step on the device); `result` waits for that copy only, and accepts the guided
+rows' tokens into their grammars. Nothing in `sample` makes the host wait for the device: every small tensor it
+builds from host values goes through pinned memory.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,6 +26,32 @@ class SamplerOutput:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
+@dataclass
+class SampledTokens:
+    """One step's sampled tokens on the device, and their copies to the host on their way."""
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    host: list[torch.Tensor]  # the tokens, then (logprob rows) chosen logprob, rank, top values, top ids
+    ready: torch.cuda.Event | None  # recorded after the copies (None on the CPU: they are done)
+    rows: list[Sequence]
+    logprob_rows: list[int]
+    guide: GrammarStep | None
+    raw_logprobs: torch.Tensor | None  # the logprob rows' log-softmax, kept for a token a guide replaces
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a wait: through pinned memory on CUDA."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
@@ -27,91 +59,136 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None
                  ) -> SamplerOutput:
+        return self.result(self.sample(logits, rows, guide))
+
+    def sample(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None) -> SampledTokens:
         """logits: [len(rows), vocab] float32, one row per sequence to extend by one token. `guide` (guided rows):
         their grammar's mask is applied first, so that penalties, temperature, top-k/p and min-p act on the allowed
-        tokens only, and the sampled tokens are accepted into their matchers (which may replace one: the
-        budget-aware finish). Logprobs are the model's own, from the logits before any of this."""
+        tokens only. Logprobs are the model's own, from the logits before any of this."""
         logits = logits[:, : self.vocab_size]
+        dev = logits.device
         params = [s.request.sampling_params for s in rows]
-        want_lp = [p.logprobs is not None for p in params]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        logits = logits.clone()
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw = None
+        if lp_rows:
+            lp_index = to_device(lp_rows, torch.long, dev)
+            raw = torch.log_softmax(logits[lp_index] if len(lp_rows) < len(rows) else logits, dim=-1)
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        banned = [i for i, (s, p) in enumerate(zip(rows, params)) if s.num_output_tokens + s.num_pending < p.min_tokens]
+        if guide is not None or penalized or banned:
+            logits = logits.clone()
         if guide is not None:
             guide.apply(logits)
-        self._apply_penalties(logits, rows)
-        self._apply_min_tokens(logits, rows)
-        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        if greedy:
-            g = torch.tensor(greedy, device=logits.device)
-            tokens[g] = logits[g].argmax(dim=-1)
+        if penalized:
+            self._apply_penalties(logits, rows, penalized)
+        if banned:
+            self._apply_min_tokens(logits, rows, banned)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            s = torch.tensor(sampled, device=logits.device)
+        if not sampled:
+            tokens = logits.argmax(dim=-1)
+        elif len(sampled) == len(rows):
+            tokens = self._sample(logits, rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            s = to_device(sampled, torch.long, dev)
             tokens[s] = self._sample(logits[s], [rows[i] for i in sampled])
-        token_list = tokens.tolist()
-        if guide is not None:
-            token_list = guide.accept(token_list)
-        out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if not want_lp[i]:
-                    continue
-                row = raw_logprobs[i]
-                chosen = float(row[token_list[i]])
-                rank = int((row > chosen).sum()) + 1
-                top: list[tuple[int, float]] = []
-                if p.logprobs:
-                    vals, ids = row.topk(p.logprobs)
-                    top = list(zip(ids.tolist(), vals.tolist()))
-                out[i] = (chosen, rank, top)
+        host = [_to_host(tokens)]
+        if raw is not None:
+            chosen = raw.gather(1, tokens[lp_index][:, None])  # type: ignore[possibly-undefined]
+            host += [_to_host(chosen[:, 0]), _to_host((raw > chosen).sum(dim=1) + 1)]
+            top = max(params[i].logprobs for i in lp_rows)  # type: ignore[type-var]
+            if top:
+                vals, ids = raw.topk(top)
+                host += [_to_host(vals), _to_host(ids)]
+        ready = None
+        if dev.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return SampledTokens(tokens, host, ready, rows, lp_rows, guide, raw if guide is not None else None)
+
+    def result(self, s: SampledTokens) -> SamplerOutput:
+        """The sampled tokens and logprobs on the host (waiting for their copies only, not for later work on the
+        device); the guided rows' tokens accepted into their matchers, which may replace one (the budget-aware
+        finish)."""
+        if s.ready is not None:
+            s.ready.synchronize()
+        token_list = s.host[0].tolist()
+        drawn = list(token_list) if s.guide is not None else token_list
+        if s.guide is not None:
+            token_list = s.guide.accept(token_list)
+        out: list[tuple[float, int, list[tuple[int, float]]] | None] = [None] * len(s.rows)
+        if s.logprob_rows:
+            chosen, ranks = s.host[1].tolist(), s.host[2].tolist()
+            vals, ids = (s.host[3].tolist(), s.host[4].tolist()) if len(s.host) > 3 else (None, None)
+            for j, i in enumerate(s.logprob_rows):
+                k = s.rows[i].request.sampling_params.logprobs
+                top = list(zip(ids[j][:k], vals[j][:k])) if k else []  # type: ignore[index]
+                lp, rank = chosen[j], ranks[j]
+                if token_list[i] != drawn[i]:  # a guide replaced it: its own logprob and rank
+                    row = s.raw_logprobs[j]  # type: ignore[index]
+                    lp = float(row[token_list[i]])
+                    rank = int((row > lp).sum()) + 1
+                out[i] = (lp, rank, top)
         return SamplerOutput(token_list, out)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[Sequence]) -> None:
-        for i, seq in enumerate(rows):
-            p = seq.request.sampling_params
-            if not p.has_penalties:
-                continue
-            dev = logits.device
-            out_ids = torch.tensor(seq.output_token_ids, dtype=torch.long, device=dev)
-            counts = torch.zeros(logits.shape[1], device=dev).index_add_(
-                0, out_ids.clamp(max=logits.shape[1] - 1), torch.ones(len(out_ids), device=dev))
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                prompt_ids = torch.tensor(seq.token_ids[: seq.num_prompt_tokens], dtype=torch.long, device=dev)
-                seen[prompt_ids.clamp(max=logits.shape[1] - 1)] = True
-                row = logits[i]
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                logits[i] = torch.where(seen, penalized, row)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[Sequence], which: list[int]) -> None:
+        """Repetition (prompt and output tokens), frequency and presence penalties (output tokens), for the rows
+        `which`, batched: token counts by one scatter over the rows' padded token ids."""
+        dev, vocab = logits.device, logits.shape[1]
+        params = [rows[i].request.sampling_params for i in which]
 
-    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[Sequence]) -> None:
+        def counts_of(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            padded = [[min(t, vocab - 1) for t in x] + [vocab] * (width - len(x)) for x in lists]  # vocab: padding
+            ids = to_device(padded, torch.long, dev)
+            c = torch.zeros((len(lists), vocab + 1), device=dev).scatter_add_(1, ids, torch.ones(ids.shape, device=dev))
+            return c[:, :vocab]
+
+        counts = counts_of([rows[i].output_token_ids for i in which])
+        index = to_device(which, torch.long, dev)
+        sub = logits[index]
+        rep = to_device([p.repetition_penalty for p in params], torch.float32, dev)[:, None]
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = (counts > 0) | (counts_of([rows[i].token_ids[: rows[i].num_prompt_tokens] for i in which]) > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        freq = to_device([p.frequency_penalty for p in params], torch.float32, dev)[:, None]
+        pres = to_device([p.presence_penalty for p in params], torch.float32, dev)[:, None]
+        logits[index] = sub - freq * counts - pres * (counts > 0).float()
+
+    def _apply_min_tokens(self, logits: torch.Tensor, rows: list[Sequence], which: list[int]) -> None:
         """Ban stop tokens below min_tokens; in a guided row, never all of what its grammar allows (the grammar
         wins: a document that may only end here ends here)."""
-        for i, seq in enumerate(rows):
-            p = seq.request.sampling_params
-            if seq.num_output_tokens < p.min_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                ids = [t for t in banned if t < logits.shape[1]]
-                if ids:
-                    kept = logits[i, ids].clone() if seq.grammar is not None else None
-                    logits[i, ids] = float("-inf")
-                    if kept is not None and not bool(torch.isfinite(logits[i]).any()):
-                        logits[i, ids] = kept
+        r_idx, t_idx = [], []
+        for i in which:
+            seq, p = rows[i], rows[i].request.sampling_params
+            ids = [t for t in set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                   if t < logits.shape[1]]
+            if not ids:
+                continue
+            if seq.grammar is not None:  # rare: guided and min_tokens; this row's check waits for the device
+                kept = logits[i, ids].clone()
+                logits[i, ids] = float("-inf")
+                if not bool(torch.isfinite(logits[i]).any()):
+                    logits[i, ids] = kept
+                continue
+            r_idx += [i] * len(ids)
+            t_idx += ids
+        if r_idx:
+            dev = logits.device
+            logits[to_device(r_idx, torch.long, dev), to_device(t_idx, torch.long, dev)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, rows: list[Sequence]) -> torch.Tensor:
         params = [s.request.sampling_params for s in rows]
         dev = logits.device
-        temp = torch.tensor([p.temperature for p in params], device=dev)
-        logits = logits / temp[:, None]
+        logits = logits / to_device([p.temperature for p in params], torch.float32, dev)[:, None]
         top_k = [p.top_k for p in params]
         if any(top_k):
             vocab = logits.shape[1]  # k >= vocab (any int, however large) keeps every token
-            k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+            k = to_device([k if 0 < k < vocab else vocab for k in top_k], torch.long, dev)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=dev)
+            top_p = to_device([p.top_p for p in params], torch.float32, dev)
             sorted_logits, idx = logits.sort(dim=-1, descending=True)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = cum - sorted_logits.softmax(dim=-1) >= top_p[:, None]  # keep the smallest set reaching top_p
@@ -119,7 +196,7 @@ class Sampler:
             logits = logits.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
         probs = logits.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         # exponential-race sampling: argmax(p / q) with q = -log(u) ~ Exp(1); seeded rows use their own generator
         u = torch.rand_like(probs)

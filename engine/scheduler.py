@@ -11,7 +11,12 @@ from kvgate.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerOutput:
+    """A step, decided once here: which sequences compute how many tokens from where, which of them decode, and
+    which have their logits sampled. The sequences' num_computed_tokens already count this step."""
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, new tokens), decodes first
+    num_computed: list[int] = field(default_factory=list)  # per scheduled seq: its tokens in the cache before
+    samples: list[bool] = field(default_factory=list)  # per scheduled seq: this step computes all its tokens
+    num_decodes: int = 0  # the first num_decodes scheduled seqs compute one token, their last
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -26,7 +31,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, enable_preemption: bool = True,
-                 scheduler_delay: float = 0.0, priority_aging_rate: float = 2.0) -> None:
+                 scheduler_delay: float = 0.0, priority_aging_rate: float = 2.0, async_scheduling: bool = False
+                 ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -35,6 +41,7 @@ class Scheduler:
         self.enable_preemption = enable_preemption
         self.scheduler_delay = scheduler_delay
         self.priority_aging_rate = priority_aging_rate
+        self.async_scheduling = async_scheduling  # a running sequence may be planned while its token is pending
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -111,14 +118,17 @@ class Scheduler:
         self.running.sort(key=lambda s: (-(s.request.priority + aging * (now - s.request.arrival_time)),
                                          s.request.arrival_time, s.index))  # = self._order, inlined (hot)
         decodes, chunks = [], []
+        limit = self.max_model_len
         for s in self.running:
-            (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else chunks).append(s)
+            if s.num_pending and (not self.async_scheduling or not s.runs_ahead or s.tokens_left(limit) <= s.num_pending):
+                continue  # its next step needs its pending token on the host, or it ends with that token
+            (decodes if s.num_tokens - s.num_computed_tokens == 1 else chunks).append(s)
         for seq in decodes + chunks:
             if seq.status != SequenceStatus.RUNNING or self._budget <= 0 or seq in exclude:
                 continue
             if self._max_seqs is not None and len(self._planned) >= self._max_seqs:
                 break
-            n = min(len(seq) - seq.num_computed_tokens, self._budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = self._lowest_running() if self.enable_preemption else None
                 if victim is None:
@@ -136,9 +146,15 @@ class Scheduler:
 
         first, rest = [], []
         for seq, n in self._planned.items():
-            (first if n == 1 and len(seq.token_ids) - seq.num_computed_tokens == 1 else rest).append((seq, n))
-        self._out.scheduled = first + rest  # decodes first
-        return self._out
+            (first if n == 1 and seq.num_tokens - seq.num_computed_tokens == 1 else rest).append((seq, n))
+        out = self._out
+        out.scheduled, out.num_decodes = first + rest, len(first)  # decodes first
+        for seq, n in out.scheduled:
+            c = seq.num_computed_tokens
+            out.num_computed.append(c)
+            out.samples.append(c + n == seq.num_tokens)
+            seq.num_computed_tokens = c + n  # counted now: the next step may be planned before this one ran
+        return out
 
     def _plan(self, seq: Sequence, n: int) -> None:
         self._planned[seq] = n
@@ -175,6 +191,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if self._budget <= 0 or (self._max_seqs is not None and len(self._planned) >= self._max_seqs):
                 return
+            if seq.num_pending:
+                continue  # preempted while its step was in flight: its token reaches the host first
             prio = self.effective_priority(seq, now)
             seats = self.seats_needed(seq)
             while self._seats_used() + seats > self.max_num_seqs:
@@ -191,7 +209,7 @@ class Scheduler:
                 if computed is None:
                     break  # its prefix is being read from disk: it waits, the requests behind it may run
                 start = len(computed) * bs if computed else seq.num_computed_tokens
-                remaining = len(seq) - start
+                remaining = seq.num_tokens - start
                 n = min(remaining, self._budget)
                 if not self.enable_chunked_prefill and n < remaining:
                     return

@@ -68,7 +68,10 @@ class Sequence:
         self.index = index  # which of the request's n samples this is
         self.token_ids = token_ids
         self.num_prompt_tokens = len(request.prompt_token_ids)
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache, or will be once the steps in flight ran
+        # tokens sampled on the device and not yet on the host (async scheduling: up to 2, the inputs of a step in
+        # flight; else up to 1 while this sequence's step is in flight)
+        self.num_pending = 0
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
         self.status = SequenceStatus.WAITING
@@ -95,6 +98,11 @@ class Sequence:
                 f"computed={self.num_computed_tokens}, {self.status.name})")
 
     @property
+    def num_tokens(self) -> int:
+        """Its tokens, the pending ones included: what the scheduler plans with."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
@@ -103,11 +111,17 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     def tokens_left(self, max_model_len: int) -> int:
-        """Tokens this sequence may still produce: the fewer of what max_tokens leaves and the room left in
-        max_model_len (0: it is done, "length")."""
+        """Tokens this sequence may still produce, counting those on the host: the fewer of what max_tokens leaves
+        and the room left in max_model_len (0: it is done, "length")."""
         room = max_model_len - len(self.token_ids)
         max_tokens = self.request.sampling_params.max_tokens
         return room if max_tokens is None else min(room, max_tokens - self.num_output_tokens)
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether its next step may start before its pending token is on the host (async scheduling): not when
+        that step's sampling needs the token there (a grammar's mask, penalties over the output tokens)."""
+        return self.grammar is None and not self.request.sampling_params.has_penalties
 
     @property
     def is_finished(self) -> bool:

@@ -7,7 +7,10 @@ and a step's message only carries what changed since the last one:
   their block table;
 - for the others, the tokens sampled since (one per decode step) and the blocks added;
 - the sequences whose blocks were dropped (finished, aborted, preempted), which the runners forget;
-- per scheduled sequence (decodes first): how many tokens it computes and how many are already in the KV cache.
+- per scheduled sequence (decodes first): how many tokens it computes, how many are already in the KV cache, and
+  whether its logits are sampled (all decided once, by the scheduler);
+- with async scheduling, the sequences whose last input token was sampled by the step before and is not on the host
+  yet: the runner takes it from that step's sampled tokens, on the device.
 So what crosses a process each step is a few integers per sequence, whatever the prompt lengths. The additions are
 flat lists of ints (no object per sequence), which keeps a step's allocations, and the garbage collector's work,
 small.
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvgate.engine.sequence import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvgate.engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -33,6 +39,12 @@ class StepInput:
     seq_ids: list[int] = field(default_factory=list)  # the scheduled sequences, decodes first
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes this step
     num_computed_tokens: list[int] = field(default_factory=list)  # its tokens already in the KV cache
+    samples: list[bool] = field(default_factory=list)  # its logits are wanted (it computes all its tokens)
+    num_decodes: int = 0  # the first num_decodes sequences compute one token each
+    # async scheduling: scheduled sequence pending_rows[i]'s last input token is row pending_src[i] of the tokens the
+    # previous step sampled (still on the device)
+    pending_rows: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
     new_seqs: list[NewSequence] = field(default_factory=list)
     # what known sequences gained since their last step, flat: the i-th of added_seq_ids gained added_num_tokens[i]
     # tokens (in order in added_tokens) and added_num_blocks[i] blocks (in added_blocks)
@@ -57,14 +69,21 @@ class StepInputBuilder:
     def __init__(self) -> None:
         self.sent: dict[int, list[int]] = {}  # seq id -> [tokens sent, blocks sent]
 
-    def build(self, scheduled: list[tuple[Sequence, int]], freed: list[int],
-              offload_ops: list[tuple] | None = None) -> StepInput:
-        """The message for the scheduled (seq, new tokens) pairs; `freed`: ids of the sequences whose blocks were
-        dropped since the last message (BlockManager.take_freed); `offload_ops`: OffloadTier.take_ops()."""
+    def build(self, out: SchedulerOutput, freed: list[int], offload_ops: list[tuple] | None = None,
+              sampled_rows: dict[int, int] | None = None) -> StepInput:
+        """The message for a scheduler output; `freed`: ids of the sequences whose blocks were dropped since the last
+        message (BlockManager.take_freed); `offload_ops`: OffloadTier.take_ops(); `sampled_rows`: seq id -> its row
+        in the tokens the step before sampled, for the sequences whose last token is still pending (async)."""
         sent = self.sent
-        msg = StepInput([s.seq_id for s, _ in scheduled], [n for _, n in scheduled],
-                        [s.num_computed_tokens for s, _ in scheduled],
-                        freed=[i for i in freed if sent.pop(i, None) is not None], offload_ops=offload_ops or [])
+        scheduled = out.scheduled
+        msg = StepInput([s.seq_id for s, _ in scheduled], [n for _, n in scheduled], out.num_computed, out.samples,
+                        out.num_decodes, freed=[i for i in freed if sent.pop(i, None) is not None],
+                        offload_ops=offload_ops or [])
+        if sampled_rows:
+            for i, ((seq, n), c) in enumerate(zip(scheduled, out.num_computed)):
+                if seq.num_pending and c + n > len(seq.token_ids):  # (a prompt chunk may stop short of it)
+                    msg.pending_rows.append(i)
+                    msg.pending_src.append(sampled_rows[seq.seq_id])
         add_id, add_nt, add_nb = msg.added_seq_ids.append, msg.added_num_tokens.append, msg.added_num_blocks.append
         add_token, add_block = msg.added_tokens.append, msg.added_blocks.append
         for seq, _ in scheduled:

@@ -188,16 +188,19 @@ def consume(tracked: dict[str, Tracked], outs) -> None:
 @settings(max_examples=30, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @pytest.mark.parametrize("enable_preemption", [True, False], ids=["preemption", "no_preemption"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @given(ops=workloads)
 # a near-tie: r3's 5th greedy token (171 vs 499) has equal float32 logits in transformers, so batching decides
 @example(ops=[("add", 1, 0, 1, 0, 1, "greedy", 0, 0), ("add", 1, 0, 1, 0, 1, "greedy", 0, 0),
               ("add", 1, 0, 6, 0, 1, "greedy", 0, 0), ("add", 25, 0, 5, 0, 1, "greedy", 0, 3977)])
-def test_random_workload(model: str, reference, enable_preemption: bool, ops: list[tuple]) -> None:
+def test_random_workload(model: str, reference, enable_preemption: bool, async_scheduling: bool, ops: list[tuple]
+                         ) -> None:
     if not enable_preemption:
         # n = 1 only: n > 1 with preemption off is test_scheduler.py's
         # test_no_preemption_when_disabled_with_parallel_sampling
         ops = [op[:5] + (1,) + op[6:] if op[0] == "add" else op for op in ops]
-    llm = LLM(model, num_gpu_blocks_override=BLOCKS, enable_preemption=enable_preemption, **ENGINE_KW)
+    llm = LLM(model, num_gpu_blocks_override=BLOCKS, enable_preemption=enable_preemption,
+              async_scheduling=async_scheduling, **ENGINE_KW)
     engine = llm.engine
     instrument(engine)
     tracked: dict[str, Tracked] = {}

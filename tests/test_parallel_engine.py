@@ -70,7 +70,7 @@ def test_preemption_forks_and_aborts_keep_every_rank_in_step(tiny_llama: str) ->
         engine = llm.engine
         busy: list[int] = []  # steps already in flight when each step started
         start = engine.executor.start
-        engine.executor.start = lambda step: busy.append(len(engine.in_flight)) or start(step)  # type: ignore
+        engine.executor.start = lambda step, *a: busy.append(len(engine.in_flight)) or start(step, *a)  # type: ignore
         try:
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)

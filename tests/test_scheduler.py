@@ -60,8 +60,7 @@ class Sim:
         out = self.sched.schedule(now=now)
         assert out.num_batched_tokens <= self.sched.max_num_batched_tokens
         assert len(self.sched.running) <= self.sched.max_num_seqs
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
+        for seq, _ in out.scheduled:  # the scheduler counted the step's tokens as computed already
             self.bm.cache_full_blocks(seq)
             if seq.num_computed_tokens == len(seq):
                 seq.token_ids.append(7)
@@ -93,7 +92,7 @@ def record_schedules(engine) -> list[dict]:
     def wrapped(now: float | None = None, **kw) -> SchedulerOutput:
         out = orig(now, **kw)
         log.append({
-            "items": [(s.request.request_id, n, len(s) - s.num_computed_tokens == 1) for s, n in out.scheduled],
+            "items": [(s.request.request_id, n, i < out.num_decodes) for i, (s, n) in enumerate(out.scheduled)],
             "running": len(sched.running),
             "preempted": [s.request.request_id for s in out.preempted],
         })

@@ -50,6 +50,7 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "pipeline_parallel_size": (["--pipeline-parallel-size", "1"], "1"),
     "distributed_executor_backend": (["--distributed-executor-backend", "mp"], "mp"),
     "enforce_eager": (["--enforce-eager"], "True"),
+    "async_scheduling": (["--async-scheduling"], "True"),
     "engine_core_process": (["--engine-core-process"], "True"),
     "on_engine_core_death": (["--on-engine-core-death", "exit"], "exit"),
     "max_engine_core_restarts": (["--max-engine-core-restarts", "5"], "5"),

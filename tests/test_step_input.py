@@ -3,17 +3,26 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from kvgate.engine.scheduler import SchedulerOutput
 from kvgate.engine.step_input import RunnerState, StepInputBuilder
 
 
 def seq(seq_id: int, tokens: list[int], table: list[int], computed: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(seq_id=seq_id, token_ids=tokens, block_table=table, num_computed_tokens=computed)
+    return SimpleNamespace(seq_id=seq_id, token_ids=tokens, block_table=table, num_computed_tokens=computed,
+                           num_pending=0)
+
+
+def planned(pairs: list[tuple[SimpleNamespace, int]]) -> SchedulerOutput:
+    """A scheduler output for (seq, new tokens) pairs, each seq's num_computed_tokens read as before the step."""
+    return SchedulerOutput(pairs, [s.num_computed_tokens for s, _ in pairs],
+                           [s.num_computed_tokens + n == len(s.token_ids) + s.num_pending for s, n in pairs],
+                           sum(1 for s, n in pairs if n == 1))
 
 
 def test_new_sequences_come_whole_then_only_what_they_gained() -> None:
     builder, state = StepInputBuilder(), RunnerState()
     a, b = seq(1, [5, 6, 7], [0]), seq(2, list(range(40)), [3, 4])
-    msg = builder.build([(a, 3), (b, 32)], [])
+    msg = builder.build(planned([(a, 3), (b, 32)]), [])
     assert [n.seq_id for n in msg.new_seqs] == [1, 2] and not msg.added_seq_ids
     states = state.apply(msg)
     assert [s.token_ids for s in states] == [[5, 6, 7], list(range(40))]
@@ -23,14 +32,14 @@ def test_new_sequences_come_whole_then_only_what_they_gained() -> None:
     a.num_computed_tokens = 3
     b.block_table += [9, 10, 11]  # a prompt chunk that needed three more blocks
     b.num_computed_tokens = 32
-    msg = builder.build([(a, 1), (b, 8)], [])
+    msg = builder.build(planned([(a, 1), (b, 8)]), [])
     assert msg.seq_ids == [1, 2] and msg.num_new_tokens == [1, 8] and msg.num_computed_tokens == [3, 32]
     assert (msg.added_seq_ids, msg.added_num_tokens, msg.added_tokens) == ([1, 2], [1, 0], [8])
     assert (msg.added_num_blocks, msg.added_blocks) == ([0, 3], [9, 10, 11])
     states = state.apply(msg)
     assert states[0].token_ids == [5, 6, 7, 8] and states[1].block_table == [3, 4, 9, 10, 11]
 
-    msg = builder.build([(b, 1)], [])  # nothing new for b; a not scheduled
+    msg = builder.build(planned([(b, 1)]), [])  # nothing new for b; a not scheduled
     assert not msg.added_seq_ids and not msg.new_seqs
     state.apply(msg)
 
@@ -38,13 +47,23 @@ def test_new_sequences_come_whole_then_only_what_they_gained() -> None:
 def test_freed_sequences_are_forgotten_and_come_back_whole() -> None:
     builder, state = StepInputBuilder(), RunnerState()
     a = seq(1, [5, 6, 7], [0])
-    state.apply(builder.build([(a, 3)], []))
+    state.apply(builder.build(planned([(a, 3)]), []))
     a.token_ids.append(9)
     a.block_table = [4]  # preempted (blocks dropped), then scheduled again with new blocks
-    msg = builder.build([(a, 4)], [1, 77])  # 77: never sent, nothing to forget
+    msg = builder.build(planned([(a, 4)]), [1, 77])  # 77: never sent, nothing to forget
     assert msg.freed == [1] and [n.token_ids for n in msg.new_seqs] == [[5, 6, 7, 9]]
     (s,) = state.apply(msg)
     assert s.token_ids == [5, 6, 7, 9] and s.block_table == [4]
-    msg = builder.build([], [1])
+    msg = builder.build(planned([]), [1])
     state.apply(msg)
     assert msg.freed == [1] and state.seqs == {} and builder.sent == {}
+
+
+def test_pending_tokens_point_at_the_rows_the_step_before_sampled() -> None:
+    """Async scheduling: a sequence whose last token is still on the device is told where to find it."""
+    builder = StepInputBuilder()
+    a, b = seq(1, [5, 6, 7], [0], computed=3), seq(2, [1, 2], [1], computed=1)
+    a.num_pending = 1  # its 4th token was sampled by the step in flight, as that step's row 2
+    msg = builder.build(planned([(a, 1), (b, 1)]), [], sampled_rows={1: 2, 2: 0})
+    assert (msg.pending_rows, msg.pending_src) == ([0], [2]) and msg.samples == [True, True]
+    assert msg.new_seqs[0].token_ids == [5, 6, 7]  # what the host has: the pending token comes on the device

@@ -49,8 +49,10 @@ class GrammarStep:
 
         n = logits.shape[0]
         bitmask = self.bitmask[:n]
-        if logits.device.type != "cpu":
-            bitmask = bitmask.to(logits.device, non_blocking=True)
+        if logits.device.type != "cpu":  # from a pinned copy: the next step refills the shared buffer, maybe
+            # before this copy ran (async scheduling)
+            staged = torch.empty(bitmask.shape, dtype=bitmask.dtype, pin_memory=True).copy_(bitmask)
+            bitmask = staged.to(logits.device, non_blocking=True)
         every_row = len(self.rows) == n  # (rows are distinct and sorted)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                         indices=None if every_row else self.rows)

@@ -1,0 +1,129 @@
+"""Async scheduling (engine/llm_engine.py): step N+1 is scheduled and started before step N's sampled tokens reach
+the host, its pending tokens taken from N's tokens on the device. On the CPU it overlaps nothing, but it runs the
+same bookkeeping as on CUDA (where it is on by default), so here it is turned on explicitly and checked against the
+same engine without it: tokens, stops, logprobs, n > 1, preemption, guided rows, aborts and the KV blocks.
+"""
+from __future__ import annotations
+
+import pytest
+from tiny_models import assert_engine_idle, random_prompts
+
+from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.arg_utils import ArgError, EngineArgs
+from kvgate.engine.structured_output import StructuredOutputsParams
+
+KW = dict(kv_cache_memory_bytes=1 << 24, max_num_seqs=8, max_num_batched_tokens=64)
+
+
+def run(model: str, prompts, sp, asynchronous: bool, **kw):
+    llm = LLM(model, async_scheduling=asynchronous, **{**KW, **kw})
+    outs = llm.generate(prompts, sp)
+    assert_engine_idle(llm)
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in o.outputs] for o in outs], llm
+
+
+@pytest.mark.parametrize("sp", [
+    SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=30, min_tokens=5),  # stops on EOS, not before 5 tokens
+    SamplingParams(temperature=0.0, max_tokens=30, stop=["e", " a"], include_stop_str_in_output=True),
+    SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_tokens=16, seed=7, n=3, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.4),
+], ids=["greedy", "eos-min-tokens", "stop-strings", "seeded-n3-logprobs", "penalties"])
+def test_same_outputs_with_and_without(tiny_model_dirs: dict[str, str], sp: SamplingParams) -> None:
+    """Chunked prefill (64-token budget over prompts of up to 90 tokens), prefix hits (every prompt starts alike)."""
+    base = random_prompts(1, seed=3, min_len=40, max_len=40)[0]
+    prompts = [base[:k] + p for k, p in zip((0, 17, 40, 33, 40, 5), random_prompts(6, seed=4, min_len=1,
+                                                                                   max_len=50))]
+    want, _ = run(tiny_model_dirs["qwen3"], prompts, sp, False)
+    got, llm = run(tiny_model_dirs["qwen3"], prompts, sp, True)
+    assert got == want
+    if sp.logprobs:
+        # the same tokens, ranks and logprobs (up to float noise: the steps' batches differ)
+        sync = LLM(tiny_model_dirs["qwen3"], async_scheduling=False, **KW).generate(prompts, sp)
+        got_lp = [c.logprobs for o in llm.generate(prompts, sp) for c in o.outputs]
+        want_lp = [c.logprobs for o in sync for c in o.outputs]
+        for g_seq, w_seq in zip(got_lp, want_lp, strict=True):
+            for g, w in zip(g_seq, w_seq, strict=True):
+                assert {t: (lp.rank, lp.decoded_token) for t, lp in g.items()} == \
+                    {t: (lp.rank, lp.decoded_token) for t, lp in w.items()}
+                assert all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g)
+
+
+def test_preemption_and_max_model_len(tiny_model_dirs: dict[str, str]) -> None:
+    """A cache of 16 blocks for 6 requests that grow to 128 tokens (8 blocks) each: preemptions, some of a sequence
+    whose step is in flight; every request runs into max_model_len (128) and ends there."""
+    prompts = random_prompts(6, seed=5, min_len=20, max_len=60)
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    kw = dict(num_gpu_blocks_override=16, block_size=16, max_model_len=128, kv_cache_memory_bytes=None)
+    want, _ = run(tiny_model_dirs["llama"], prompts, sp, False, **kw)
+    got, llm = run(tiny_model_dirs["llama"], prompts, sp, True, **kw)
+    assert got == want and llm.engine.scheduler.num_preemptions > 0
+    assert {c[1] for o in got for c in o} == {"length"}
+    assert [len(p) + len(o[0][0]) for p, o in zip(prompts, got)] == [128] * 6
+
+
+def test_the_next_step_starts_before_the_tokens_are_read(tiny_model_dirs: dict[str, str]) -> None:
+    """The defining order: start(N+1) comes before result(N); and a finished sequence's extra step is dropped."""
+    llm = LLM(tiny_model_dirs["llama"], async_scheduling=True, **KW)
+    engine = llm.engine
+    log: list[str] = []
+    start, result = engine.executor.start, engine.sampler.result
+    engine.executor.start = lambda *a, **kw: log.append("start") or start(*a, **kw)
+    engine.sampler.result = lambda s: log.append("result") or result(s)
+    outs = llm.generate(random_prompts(2, seed=1, max_len=20), SamplingParams(temperature=0.0, max_tokens=5,
+                                                                             ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+    # the prompt step, then a start for each later step before the previous step's tokens are read
+    assert log[:4] == ["start", "start", "result", "start"]
+    assert log.count("start") == 5 and log.count("result") == 5  # no step past the 5th token (max_tokens known)
+    assert_engine_idle(llm)
+
+
+def test_abort_with_steps_in_flight_frees_every_block(tiny_model_dirs: dict[str, str]) -> None:
+    llm = LLM(tiny_model_dirs["llama"], async_scheduling=True, **KW)
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, p in enumerate(random_prompts(4, seed=2, max_len=40)):
+        engine.add_request(str(i), p, sp)
+    for _ in range(4):
+        engine.step()
+    assert len(engine.in_flight) == 1 and any(s.num_pending for r in engine.requests.values() for s in r.seqs)
+    engine.abort_request(["0", "2"])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id in ("1", "3")
+    assert engine.step() == []
+    assert_engine_idle(llm)
+
+
+def test_guided_rows_wait_for_their_token(tiny_model_dirs: dict[str, str]) -> None:
+    """A guided sequence's mask needs its previous token on the host: it is never planned while one is pending, and
+    its output is what the engine without async scheduling writes; the unguided rows next to it run ahead."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    guided = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts(4, seed=9, max_len=30)
+    out = {}
+    for asynchronous in (False, True):
+        llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **KW)
+        engine = llm.engine
+        sched = engine.scheduler
+        schedule = sched.schedule
+
+        def checked(*a, **kw):
+            o = schedule(*a, **kw)
+            assert not any(s.num_pending > 1 or (s.grammar is not None and s.num_pending) for s, _ in o.scheduled)
+            return o
+
+        sched.schedule = checked
+        outs = llm.generate(prompts, [guided, free, guided, free])
+        out[asynchronous] = [o.outputs[0].token_ids for o in outs]
+        assert_engine_idle(llm)
+    assert out[True] == out[False]
+
+
+def test_refused_with_several_ranks() -> None:
+    with pytest.raises(ArgError, match="async_scheduling runs one rank, and tensor_parallel_size x "
+                                       "pipeline_parallel_size is 2"):
+        EngineArgs(model="x", async_scheduling=True, tensor_parallel_size=2).check()
