@@ -45,6 +45,7 @@ class StepInFlight:
     index: list[int]
     started: Any
     sampled: SampledTokens | None = None
+    logits: torch.Tensor | None = None  # async: logits whose drawing waits for the step before to complete
 
 
 def encode_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -104,7 +105,7 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = eos
-        self.sampler = Sampler(config.model_config.vocab_size, eos)
+        self.sampler = Sampler(config.model_config.vocab_size, eos, a.seed)
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, config.model_config.vocab_size, eos,
                                                                  config.device, config.max_num_seqs)
         self.failed: list[tuple[str, BaseException]] = []  # requests that failed after add_request: take_failed()
@@ -239,7 +240,7 @@ class LLMEngine:
         first, their results dropped."""
         while self.in_flight and self.executor.dead is None:
             f = self.in_flight.popleft()
-            if f.sampled is not None:
+            if f.sampled is not None or f.logits is not None:
                 continue
             try:
                 self.executor.finish(f.started)
@@ -284,11 +285,15 @@ class LLMEngine:
                 elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
                     time.sleep(0.001)
                 return []
-        return self._complete(self.in_flight.popleft())
+        outputs = self._complete(self.in_flight.popleft())
+        if self.in_flight and self.in_flight[0].logits is not None:
+            self._draw(self.in_flight[0])  # its guided rows' masks / penalties now see the tokens just completed
+        return outputs
 
     def _start(self, out: SchedulerOutput) -> StepInFlight:
         """Start a scheduled step: fork the n > 1 samples of a prompt it completes, send the step to the ranks and,
-        with async scheduling, sample its logits on the device. Each sampled row has one more pending token."""
+        with async scheduling, sample its logits on the device (after the step in flight completed, when a row's
+        grammar mask or penalties need that step's tokens). Each sampled row has one more pending token."""
         rows: list[Sequence] = []
         index: list[int] = []
         row = 0
@@ -312,14 +317,26 @@ class LLMEngine:
         last = self.last_sampled.token_ids if self.last_sampled is not None and step.pending_rows else None
         started = self.executor.start(step, last)
         f = StepInFlight(out, rows, index, started)
-        if self.async_scheduling and rows:
-            f.sampled = self._sample(self.executor.finish(started), rows, index)
-            self.last_sampled, self.last_rows = f.sampled, {s.seq_id: i for i, s in enumerate(rows)}
-        if self.depth > 1 and not self.async_scheduling:
-            self.in_flight_seqs.update(seq for seq, _ in out.scheduled)
-        for s in rows:
-            s.num_pending += 1
+        if not self.async_scheduling:  # drawn when the step completes
+            if self.depth > 1:
+                self.in_flight_seqs.update(seq for seq, _ in out.scheduled)
+            for s in rows:
+                s.num_pending += 1
+        elif rows:
+            f.logits = self.executor.finish(started)
+            if not (self.in_flight and any(s.grammar is not None or s.request.sampling_params.has_penalties
+                                           for s in rows)):
+                self._draw(f)
+            # else a grammar's mask or the penalties need the tokens of the step in flight: drawn once it completed
         return f
+
+    def _draw(self, f: StepInFlight) -> None:
+        """Async scheduling: sample a started step on the device; its tokens are the next step's pending inputs."""
+        f.sampled = self._sample(f.logits, f.rows, f.index)  # type: ignore[arg-type]
+        f.logits = None
+        self.last_sampled, self.last_rows = f.sampled, {s.seq_id: i for i, s in enumerate(f.rows)}
+        for s in f.rows:
+            s.num_pending += 1
 
     def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int]) -> SampledTokens:
         """Sample the rows (guided ones masked: their masks are filled here, while the step's kernels run)."""

@@ -8,6 +8,7 @@ builds from host values goes through pinned memory.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,9 +54,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self._seeds = random.Random(seed)  # the fused kernel's noise, a seed per step (unseeded rows)
 
     def __call__(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None
                  ) -> SamplerOutput:
@@ -84,8 +86,20 @@ class Sampler:
         if banned:
             self._apply_min_tokens(logits, rows, banned)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
+        vocab = logits.shape[1]
+        plain = [i for i in sampled if rows[i].generator is None and not 0 < params[i].top_k < vocab
+                 and params[i].top_p >= 1.0 and params[i].min_p <= 0]
         if not sampled:
             tokens = logits.argmax(dim=-1)
+        elif plain and dev.type == "cuda":  # one kernel for the plain rows and the greedy ones (kernels/triton_sample)
+            from kvgate.kernels.triton_sample import sample as fused_sample
+
+            inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, dev)
+            tokens = fused_sample(logits, inv_t, self._seeds.getrandbits(31))
+            rest = sorted(set(sampled) - set(plain))
+            if rest:
+                s = to_device(rest, torch.long, dev)
+                tokens[s] = self._sample(logits[s], [rows[i] for i in rest])
         elif len(sampled) == len(rows):
             tokens = self._sample(logits, rows)
         else:
