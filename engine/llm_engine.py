@@ -84,7 +84,7 @@ class LLMEngine:
                 store.num_slots, a.kv_offloading_eviction, self.runner.block_bytes_all_ranks,
                 disk_blocks=int(a.kv_offloading_disk_size * (1 << 30)) // self.runner.block_bytes_all_ranks
                 if disk is not None else 0,
-                on_disk=disk.scan() if disk is not None else None,
+                on_disk=self.runner.on_disk if disk is not None else None,
                 fetch_result=disk.poll if disk is not None else None,
                 disk_broken=lambda: disk is not None and disk.broken)
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)

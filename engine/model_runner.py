@@ -72,6 +72,7 @@ class ModelRunner:
         for i, layer in enumerate(self.model.local_layers):
             layer.self_attn.attn.k_cache = self.kv_cache[i, 0]
             layer.self_attn.attn.v_cache = self.kv_cache[i, 1]
+        self.on_disk: list[bytes] = []  # the disk tier's blocks found at start (every rank has their files)
         self.offload = self._offload_store()
         # The fused RMSNorm / rotary / SiLU-and-mul kernels (kernels/triton_fused.py), KVGATE_FUSED_OPS: "all"
         # (default): in eager steps and inside the decode graphs, where they replace ~40 small torch kernels a layer
@@ -148,9 +149,13 @@ class ModelRunner:
         a = self.config.args
         if a.kv_offloading_size <= 0 or not a.enable_prefix_caching or self.model.pooling:
             return None
-        disk_dir = rank_directory(self.config, get_world_group().rank) if a.kv_offloading_disk_dir else None
-        return OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks,
-                            disk_dir)
+        world = get_world_group()
+        disk_dir = rank_directory(self.config, world.rank) if a.kv_offloading_disk_dir else None
+        store = OffloadStore(self.kv_cache, int(a.kv_offloading_size * (1 << 30)) // self.block_bytes_all_ranks,
+                             disk_dir)
+        if store.disk is not None:  # the blocks on disk: those every rank has its file of
+            self.on_disk = store.disk.keep_common(world.all_gather_object(store.disk.scan()), world.rank)
+        return store
 
     def _num_blocks(self) -> int:
         a = self.config.args

@@ -124,20 +124,22 @@ def documents(n: int, length: int) -> list[list[int]]:
     return [torch.randint(3, 500, (length,), generator=g).tolist() for _ in range(n)]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp,asynchronous", [(1, 1, False), (1, 1, True), (2, 1, False), (1, 2, False)])
 def test_greedy_tokens_are_the_same_with_the_tier_when_the_working_set_is_4x_the_pool(tiny_llama: str, tp: int,
-                                                                                        pp: int) -> None:
+                                                                                        pp: int, asynchronous: bool
+                                                                                        ) -> None:
     """8 documents of 192 tokens (12 blocks each, 96 in all) over a device pool of 24 blocks, each asked twice
     with different questions: without the tier the second round recomputes every document, with it the documents
     come back from CPU memory, and the tokens are the same (with tensor parallelism each rank moves its heads'
-    share of a block; with pipeline stages each its layers', steps in flight)."""
+    share of a block; with pipeline stages each its layers', steps in flight; with async scheduling a step's
+    copies are queued while the step before still runs)."""
     docs = documents(8, 192)
     rounds = [[d + [7, 8, 9] for d in docs], [d + [10, 11] for d in docs]]
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     results = {}
     for tier_gib in (0, 0.01):
         llm = LLM(tiny_llama, num_gpu_blocks_override=24, max_num_seqs=1 if pp == 1 else 2, tensor_parallel_size=tp,
-                  pipeline_parallel_size=pp, kv_offloading_size=tier_gib)
+                  pipeline_parallel_size=pp, kv_offloading_size=tier_gib, async_scheduling=asynchronous)
         try:
             outs = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in r], sp)]
                     for r in rounds]

@@ -138,13 +138,14 @@ def plain_tokens(tiny_llama: str) -> list[list[list[int]]]:
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp,asynchronous", [(1, False), (1, True), (2, False)])
 def test_greedy_tokens_are_the_same_with_the_disk_tier_and_a_fresh_engine_reads_its_files(
-        tiny_llama: str, plain_tokens, tmp_path, tp: int) -> None:
+        tiny_llama: str, plain_tokens, tmp_path, tp: int, asynchronous: bool) -> None:
     """The second round's documents come back from disk (the device and the CPU tier hold a third of them): the
     same tokens as without any tier. Then a new engine on the same directory (another process's restart) finds the
     documents' blocks on disk at once; with TP=2 each rank reads its own files."""
-    disk = dict(kv_offloading_size=0.0002, kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=0.1)
+    disk = dict(kv_offloading_size=0.0002, kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=0.1,
+                async_scheduling=asynchronous)
     llm = LLM(tiny_llama, tensor_parallel_size=tp, **TIERS, **disk)
     try:
         assert run_rounds(llm, ROUNDS) == plain_tokens
@@ -164,6 +165,39 @@ def test_greedy_tokens_are_the_same_with_the_disk_tier_and_a_fresh_engine_reads_
         assert outs[0].outputs[0].token_ids == plain_tokens[1][0]
         assert outs[0].num_cached_tokens == 192  # every full block of the document, read from disk
         assert again.engine.block_manager.offload.stats.fetched_blocks == 12
+    finally:
+        again.engine.shutdown()
+
+
+def test_at_start_the_disk_tier_keeps_only_blocks_every_rank_has_a_file_of(tiny_llama: str, plain_tokens,
+                                                                           tmp_path) -> None:
+    """TP=2: rank 1 lost a file (a failed write, a partial copy) and holds a stray one. A block some rank cannot read
+    back is of no use: at start each rank deletes its files of such blocks, and the rest is served as before."""
+    disk = dict(kv_offloading_size=0.0002, kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=0.1)
+    llm = LLM(tiny_llama, tensor_parallel_size=2, **TIERS, **disk)
+    try:
+        run_rounds(llm, ROUNDS[:1])
+    finally:
+        llm.engine.shutdown()
+
+    def names(rank: int) -> set[str]:
+        return {os.path.basename(f) for f in glob.glob(str(tmp_path / "*" / f"rank{rank}" / "*.kv"))}
+
+    assert names(0) == names(1) and len(names(1)) > 10
+    lost = sorted(glob.glob(str(tmp_path / "*" / "rank1" / "*.kv")), key=os.path.getmtime)[-1]
+    os.unlink(lost)
+    stray = os.path.join(os.path.dirname(lost), "ab" * 32 + ".kv")
+    with open(stray, "wb") as f:
+        f.write(b"not a block")
+    before = names(0)
+    again = LLM(tiny_llama, tensor_parallel_size=2, **TIERS, **disk)
+    try:
+        assert names(0) == before - {os.path.basename(lost)}  # rank 0's file of the block rank 1 lost is gone
+        assert len(again.engine.block_manager.offload.disk) == len(before) - 1
+        outs = again.generate([{"prompt_token_ids": p} for p in ROUNDS[0]], GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == plain_tokens[0]
+        # rank 1 deleted the stray file at start too (by its first step at the latest)
+        assert "ab" * 32 + ".kv" not in names(1)
     finally:
         again.engine.shutdown()
 

@@ -123,7 +123,10 @@ def test_guided_and_unguided_share_steps_and_unguided_is_unchanged(llm: LLM) -> 
             jsonschema.validate(parse(out.outputs[0].text), PERSON)
 
 
-def test_each_of_n_samples_has_its_own_matcher(llm: LLM) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_each_of_n_samples_has_its_own_matcher(tiny_llama: str, llm: LLM, asynchronous: bool) -> None:
+    if asynchronous:  # the n samples forked as the prompt's step starts, running ahead of their tokens
+        llm = LLM(tiny_llama, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True)
     sp = SamplingParams(n=3, temperature=1.2, seed=7, max_tokens=40, structured_outputs=guided(json=PERSON))
     out = llm.generate("Person:", sp)[0]
     texts = [c.text for c in out.outputs]
@@ -133,11 +136,14 @@ def test_each_of_n_samples_has_its_own_matcher(llm: LLM) -> None:
     assert_engine_idle(llm)
 
 
-def test_preemption_by_recompute_keeps_matchers_consistent(tiny_llama: str, llm: LLM) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_preemption_by_recompute_keeps_matchers_consistent(tiny_llama: str, llm: LLM, asynchronous: bool) -> None:
+    """Also with async scheduling: guided rows running ahead, n = 1 here, preempted with steps in flight."""
     prompts = random_prompts(6, seed=11, min_len=20, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=guided(json=SCHEMAS["array"]))
     reference = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    small = LLM(tiny_llama, num_gpu_blocks_override=10, max_num_batched_tokens=64, max_num_seqs=8)
+    small = LLM(tiny_llama, num_gpu_blocks_override=10, max_num_batched_tokens=64, max_num_seqs=8,
+                async_scheduling=asynchronous)
     outs = small.generate(prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     for out, ref in zip(outs, reference):

@@ -102,6 +102,14 @@ class WorldGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t.item())
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (pickled, over the CPU group)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
         """`obj` of rank `src` on every rank. The source sends it (pickled, over the CPU group) to each other rank
         without waiting for them, so that rank 0 can start the next step while a pipeline stage still works on this

@@ -103,6 +103,16 @@ class DiskStore:
                 found.append((entry.stat().st_mtime, key))
         return [key for _, key in sorted(found)]
 
+    def keep_common(self, every_rank: list[list[bytes]], rank: int) -> list[bytes]:
+        """Given each rank's scan (rank order), delete this rank's files of blocks that some rank has no file of (a
+        rank's write that failed, its file deleted as corrupt, a directory copied in part): such a block cannot be
+        read back whole. Returns the blocks every rank holds, in this rank's order (least recently written first)."""
+        common = set(every_rank[0]).intersection(*every_rank[1:])
+        for key in every_rank[rank]:
+            if key not in common:
+                _unlink(self.path(key))
+        return [key for key in every_rank[rank] if key in common]
+
     # ---- asked by the step's ops (engine/kv_offload/store.py), in order ----------------------------------------------
     def spill(self, slot: int, key: bytes) -> None:
         """Write the slot's block to disk (a copy is taken now: the slot is reused at once)."""
