@@ -26,7 +26,7 @@ from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
 from kvgate.engine.stats import LatencyStats
-from kvgate.engine.step_input import StepInput, StepInputBuilder
+from kvgate.engine.step_input import StepInputBuilder
 from kvgate.engine.structured_output import StructuredOutputsParams
 from kvgate.engine.structured_output.manager import StructuredOutputManager
 from kvgate.engine.tokenizer import load_tokenizer

@@ -20,7 +20,6 @@ StepInputBuilder (engine side) remembers what the runners were sent; RunnerState
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
