@@ -59,10 +59,6 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._seeds = random.Random(seed)  # the fused kernel's noise, a seed per step (unseeded rows)
 
-    def __call__(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None
-                 ) -> SamplerOutput:
-        return self.result(self.sample(logits, rows, guide))
-
     def sample(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None) -> SampledTokens:
         """logits: [len(rows), vocab] float32, one row per sequence to extend by one token. `guide` (guided rows):
         their grammar's mask is applied first, so that penalties, temperature, top-k/p and min-p act on the allowed
