@@ -29,11 +29,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def busy_us(events) -> tuple[float, float, float]:
-    """(union of the kernels' intervals, their summed durations, first start to last end), in microseconds."""
+def busy_us(events) -> tuple[float, float]:
+    """(union of the kernels' intervals, their summed durations), in microseconds."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     if not spans:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0
     union, cur_s, cur_e = 0.0, *spans[0]
     for s, e in spans[1:]:
         if s > cur_e:
@@ -42,7 +42,7 @@ def busy_us(events) -> tuple[float, float, float]:
         else:
             cur_e = max(cur_e, e)
     union += cur_e - cur_s
-    return union, sum(e - s for s, e in spans), spans[-1][1] - spans[0][0]
+    return union, sum(e - s for s, e in spans)
 
 
 def profile_window(engine, first: int, last: int) -> None:
@@ -64,7 +64,7 @@ def profile_window(engine, first: int, last: int) -> None:
         sync()
         wall = (time.perf_counter() - t0) * 1e6
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    union, total, span = busy_us(kernels)
+    union, total = busy_us(kernels)
     if not kernels:  # CPU: the host's time only
         print(f"# window: steps {first}..{step - 1} ({n} steps, {seqs} running): wall {wall / n / 1000:.2f} ms a step")
         return

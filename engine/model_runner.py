@@ -18,6 +18,7 @@ from kvgate.engine.kv_offload.disk import rank_directory
 from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
 from kvgate.engine.models.parallel import local_units
+from kvgate.engine.sampler import to_device
 from kvgate.engine.step_input import RunnerState, StepInput
 from kvgate.kernels.cpu_linear import can_pack, pack_linears
 from kvgate.kernels.metadata import AttentionMetadata
@@ -232,10 +233,7 @@ class ModelRunner:
         max_blocks = max(len(s.block_table) for s in states)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in states]
         dev = self.device
-
-        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(dev, non_blocking=True)
-
+        t = functools.partial(to_device, device=dev)  # through pinned memory on CUDA: the host does not wait
         md = AttentionMetadata(
             slot_mapping=t(slots, torch.long), query_start_loc=t(starts, torch.int32),
             seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=step.num_decodes,

@@ -146,7 +146,7 @@ class OffloadTier:
             del self.fetching[key]
             if ok:
                 self.stats.fetched_blocks += 1
-                self.fetched[key] = time.monotonic()  # kept until loaded (its request is about to come back)
+                self.fetched[key] = now  # kept until loaded (its request is about to come back)
                 continue
             self.stats.failed_fetches += 1
             self.policy.remove(key)
