@@ -311,6 +311,50 @@ def test_the_completion_search(backend, schema: dict, shortest: str | None) -> N
         assert len(text) == len(shortest)
 
 
+def test_a_token_that_cuts_the_plan_never_breaks_the_budget(backend) -> None:
+    """The budget-aware finish against a sampler that, wherever it can, writes only the start of the plan's next
+    token (`a` where the plan goes on with `active`): the plan then goes on in single-byte tokens, longer than it
+    was, and must still fit the budget (else another completion, or the plan's own token, is taken). Every budget
+    from the shortest completion up, tokens otherwise random: each output validates and stays within its budget."""
+    import random
+
+    import xgrammar as xgr
+
+    from kvgate.engine.structured_output.completion import MAX_COMPLETION_TOKENS, CompletionSearch, improve
+    from kvgate.engine.structured_output.grammar import SequenceGrammar
+
+    schema = {"type": "object", "properties": {
+        "active": {"type": "boolean"}, "name": {"type": "string", "maxLength": 8},
+        "the_count": {"type": "integer", "minimum": 0, "maximum": 500}}, "required": ["active", "name", "the_count"]}
+    guide = backend.compile(guided(json=schema))
+    matcher = xgr.GrammarMatcher(guide.grammar)
+    plan = CompletionSearch(matcher, backend.search_alphabet, MAX_COMPLETION_TOKENS, backend.vocab_size).run()
+    guide.initial_completion = improve(matcher, backend.search_alphabet, plan, backend.vocab_size, 20000)
+    vocab, mask = backend.decoded_vocab, xgr.allocate_token_bitmask(1, backend.vocab_size)
+    cuts = 0
+    for budget in range(len(guide.initial_completion), len(guide.initial_completion) + 48, 3):
+        for seed in range(3):
+            g, rng, out = SequenceGrammar(guide, backend), random.Random(seed), []
+            for remaining in range(budget, 0, -1):
+                token = g.prepare(remaining)
+                if token is None:
+                    g.matcher.fill_next_token_bitmask(mask, 0)
+                    bits = mask[0].numpy()
+                    allowed = [t for t in range(backend.vocab_size) if (bits[t >> 5] >> (t & 31)) & 1
+                               and (vocab[t].isascii() or t in backend.stop_token_ids)]
+                    head = vocab[g.plan[0]] if g.plan else b""
+                    cut = [t for t in allowed if 0 < len(vocab[t]) < len(head) and head.startswith(vocab[t])]
+                    cuts += bool(cut)
+                    token = rng.choice(cut or allowed)
+                out.append(g.accept(token, remaining))
+                assert not g.budget_lost, (budget, seed, b"".join(vocab[t] for t in out))
+                if g.finished:
+                    break
+            text = b"".join(vocab[t] for t in out).decode()
+            jsonschema.validate(parse(text), schema)
+    assert cuts > 20  # the case this test is about came up
+
+
 def test_schema_rewrites_for_xgrammar() -> None:
     from kvgate.engine.structured_output.schema import JSON_STRING_CHAR, normalize_json_schema
 

@@ -85,8 +85,8 @@ class SequenceGrammar:
         text = self.backend.decoded_vocab[token]
         if prev and token == prev[0]:
             self.plan, self.plan_text = prev[1:], prev_text[len(text):]
-        elif prev and text and prev_text.startswith(text) and self._follow(prev, prev_text, len(text)):
-            pass  # the plan's own text, in other tokens: the rest of it still completes the document
+        elif prev and text and prev_text.startswith(text) and self._follow(prev, prev_text, len(text), left):
+            pass  # the plan's own text, in other tokens: the rest of it still completes the document, in time
         elif not self.budget_lost:
             self.verified = False
             self.countdown -= 1
@@ -111,15 +111,16 @@ class SequenceGrammar:
         vocab = self.backend.decoded_vocab
         return b"".join(vocab[t] for t in tokens)
 
-    def _follow(self, prev: list[int], prev_text: bytes, cut: int) -> bool:
+    def _follow(self, prev: list[int], prev_text: bytes, cut: int, left: int) -> bool:
         """The plan's rest after its first `cut` bytes (what the sampled token wrote): a token cut in two goes on
-        as single-byte tokens. False (nothing changed) when the vocabulary lacks one of them."""
+        as single-byte tokens. False (nothing changed) when the vocabulary lacks one of them, or when those make
+        the plan longer than the `left` tokens the budget leaves (`active` cut after its `a` is five tokens more)."""
         vocab, done = self.backend.decoded_vocab, 0
         for i, t in enumerate(prev):
             done += len(vocab[t])
             if done >= cut:
                 rest = [self.backend.byte_tokens.get(b) for b in prev_text[cut:cut + done - cut]]
-                if None in rest:
+                if None in rest or len(rest) + len(prev) - i - 1 > left:
                     return False
                 self.plan, self.plan_text = rest + prev[i + 1:], prev_text[cut:]  # type: ignore[operator]
                 return True
