@@ -209,9 +209,9 @@ class Sampler:
             min_p = to_device([p.min_p for p in params], torch.float32, dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         # exponential-race sampling: argmax(p / q) with q = -log(u) ~ Exp(1); seeded rows use their own generator
-        u = torch.rand_like(probs)
-        for i, seq in enumerate(rows):
-            if seq.generator is not None:
-                u[i] = torch.rand(probs.shape[1], generator=seq.generator, device=probs.device)
+        seeded = [i for i, seq in enumerate(rows) if seq.generator is not None]
+        u = torch.empty_like(probs) if len(seeded) == len(rows) else torch.rand_like(probs)  # (no noise drawn twice)
+        for i in seeded:
+            u[i] = torch.rand(probs.shape[1], generator=rows[i].generator, device=probs.device)
         q = u.clamp_(min=1e-20).log_().neg_()
         return (probs / q).argmax(dim=-1)
