@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -46,6 +46,9 @@ class StepInFlight:
     started: Any
     sampled: SampledTokens | None = None
     logits: torch.Tensor | None = None  # async: logits whose drawing waits for the step before to complete
+    # async: rows whose input token the step before replaced (a guided row's budget-aware finish) after this step
+    # started with the token drawn: their results are dropped, and the position is computed again
+    dropped: set[Sequence] = field(default_factory=set)
 
 
 def encode_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -114,6 +117,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # totals, for metrics
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.num_rewinds = 0  # async: run-ahead positions computed again (their input token was replaced)
         self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
         self.output_prompts = True  # False: outputs leave prompt and prompt_token_ids None (the caller has them)
@@ -332,19 +336,22 @@ class LLMEngine:
 
     def _draw(self, f: StepInFlight) -> None:
         """Async scheduling: sample a started step on the device; its tokens are the next step's pending inputs."""
-        f.sampled = self._sample(f.logits, f.rows, f.index)  # type: ignore[arg-type]
+        f.sampled = self._sample(f.logits, f.rows, f.index, f.dropped)  # type: ignore[arg-type]
         f.logits = None
         self.last_sampled, self.last_rows = f.sampled, {s.seq_id: i for i, s in enumerate(f.rows)}
         for s in f.rows:
-            s.num_pending += 1
+            if s not in f.dropped:
+                s.num_pending += 1
 
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int]) -> SampledTokens:
-        """Sample the rows (guided ones masked: their masks are filled here, while the step's kernels run)."""
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int],
+                dropped: set[Sequence] | frozenset = frozenset()) -> SampledTokens:
+        """Sample the rows (guided ones masked: their masks are filled here, while the step's kernels run; a
+        dropped row is drawn unguided, and its token never used)."""
         so = self.structured_output_manager
         guide = None
         if so.active:
             guide = so.prepare_step(rows, [s.tokens_left(self.max_model_len) if s.grammar is not None else None
-                                           for s in rows])
+                                           for s in rows], dropped)
         if len(index) != logits.shape[0] or index[-1] != len(index) - 1:  # n > 1: rows share a logits row
             logits = logits[to_device(index, torch.long, logits.device)]
         return self.sampler.sample(logits, rows, guide)
@@ -370,13 +377,17 @@ class LLMEngine:
             return []
         result = self.sampler.result(sampled)
         touched: dict[str, Request] = {}
-        for seq, token, lp in zip(rows, result.token_ids, result.logprobs):
+        for seq, token, lp, drawn in zip(rows, result.token_ids, result.logprobs, result.drawn):
+            if seq in f.dropped:
+                continue
             if f.sampled is not None:
                 seq.num_pending -= 1
             if seq.is_finished:
                 continue
             self._append_token(seq, token, lp)
             touched[seq.request.request_id] = seq.request
+            if token != drawn and not seq.is_finished and self.in_flight:
+                self._rewind(seq, self.in_flight[0])
         so = self.structured_output_manager
         outputs, now = [], time.monotonic()
         for req in touched.values():
@@ -390,6 +401,19 @@ class LLMEngine:
                     so.finish(req)
                 self.latency_stats.on_finished(req, now, req.seqs[0].finish_reason)
         return outputs
+
+    def _rewind(self, seq: Sequence, next_step: StepInFlight) -> None:
+        """seq's grammar replaced the token it drew (the budget-aware finish), and the step in flight after this one
+        computes seq's next position from the token drawn: that position is computed again, from the token kept, by
+        a later step, and this step's result for seq is dropped."""
+        if not any(s is seq for s, _ in next_step.out.scheduled):
+            return
+        seq.num_computed_tokens -= 1
+        self.num_rewinds += 1
+        if any(s is seq for s in next_step.rows):
+            next_step.dropped.add(seq)
+            if next_step.sampled is not None:  # drawn already: its token is no longer pending
+                seq.num_pending -= 1
 
     def _release_guided(self) -> None:
         """Schedule the guided requests whose grammar is now compiled; fail those whose spec was invalid."""

@@ -25,6 +25,7 @@ class SamplerOutput:
     token_ids: list[int]
     # per row: None, or (logprob of the sampled token, rank of it, top-N [(token id, logprob)])
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    drawn: list[int]  # the tokens drawn: token_ids differ where a guided row's grammar replaced one
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Sampler:
                     lp = float(row[token_list[i]])
                     rank = int((row > lp).sum()) + 1
                 out[i] = (lp, rank, top)
-        return SamplerOutput(token_list, out)
+        return SamplerOutput(token_list, out, drawn)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[Sequence], which: list[int]) -> None:
         """Repetition (prompt and output tokens), frequency and presence penalties (output tokens), for the rows

@@ -120,8 +120,7 @@ class Scheduler:
         decodes, chunks = [], []
         limit = self.max_model_len
         for s in self.running:
-            if s.num_pending and (not self.async_scheduling or s.tokens_left(limit) <= s.num_pending
-                                  or not s.runs_ahead(limit)):
+            if s.num_pending and (not self.async_scheduling or s.tokens_left(limit) <= s.num_pending):
                 continue  # its next step needs its pending token on the host, or it ends with that token
             (decodes if s.num_tokens - s.num_computed_tokens == 1 else chunks).append(s)
         for seq in decodes + chunks:

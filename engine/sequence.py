@@ -117,12 +117,6 @@ class Sequence:
         max_tokens = self.request.sampling_params.max_tokens
         return room if max_tokens is None else min(room, max_tokens - self.num_output_tokens)
 
-    def runs_ahead(self, max_model_len: int) -> bool:
-        """Whether its next step may start before its pending token is on the host (async scheduling): not when
-        the grammar may replace that token as it accepts it (its budget-aware finish checks every token near the
-        end of the budget), since the step would compute the replaced token."""
-        return self.grammar is None or not self.grammar.may_replace(self.tokens_left(max_model_len))
-
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED

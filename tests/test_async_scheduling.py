@@ -5,6 +5,9 @@ same engine without it: tokens, stops, logprobs, n > 1, preemption, guided rows,
 """
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 from tiny_models import assert_engine_idle, random_prompts
 
@@ -96,17 +99,23 @@ def test_abort_with_steps_in_flight_frees_every_block(tiny_model_dirs: dict[str,
     assert_engine_idle(llm)
 
 
-def test_guided_rows_run_ahead_except_near_their_budget(tiny_model_dirs: dict[str, str]) -> None:
+def test_guided_rows_run_ahead_and_a_replaced_token_is_computed_again(tiny_model_dirs: dict[str, str]) -> None:
     """A guided row's mask needs its previous token in the matcher: a step with guided rows is drawn after the step
-    before completed. The row itself runs ahead (its pending token from the device), except near the end of its
-    budget, where the grammar may replace the token it accepts: there it waits for the token on the host. Outputs
-    are what the engine without async scheduling writes."""
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
-              "required": ["a", "b"], "additionalProperties": False}
-    guided = SamplingParams(temperature=0.0, max_tokens=150, structured_outputs=StructuredOutputsParams(json=schema))
+    before completed. The row itself runs ahead (its pending token from the device), also near the end of its
+    budget, where the grammar may replace the token it accepts: the step in flight then computed the token drawn,
+    so its result for that row is dropped and the position is computed again from the token kept. Outputs are what
+    the engine without async scheduling writes (greedy), and every block is freed. The schema lets one token
+    lengthen the way to the end (an array's `"` adds the string's closing quote), so small budgets make the
+    budget-aware finish replace drawn tokens."""
+    schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+                                               "o": {"type": "object", "properties": {"k": {"type": "string"}},
+                                                     "required": ["k"]}}, "required": ["t", "o"]}
+    guide = StructuredOutputsParams(json=schema)
+    guided = [SamplingParams(temperature=0.0, max_tokens=24 + i % 9, structured_outputs=guide) for i in range(10)]
     free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     penalized = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5)
-    prompts = random_prompts(4, seed=9, max_len=30)
+    params = guided[:5] + [free] + guided[5:] + [penalized]
+    prompts = random_prompts(len(params), seed=9, max_len=30)
     out = {}
     for asynchronous in (False, True):
         llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **KW)
@@ -121,16 +130,29 @@ def test_guided_rows_run_ahead_except_near_their_budget(tiny_model_dirs: dict[st
             for s, _ in o.scheduled:
                 assert pending.get(s, 0) <= 1
                 if s.grammar is not None and pending.get(s):
-                    assert not s.grammar.may_replace(s.tokens_left(engine.max_model_len))
                     ahead.append(s)
             return o
 
         sched.schedule = checked
-        outs = llm.generate(prompts, [guided, free, guided, penalized])
-        out[asynchronous] = [o.outputs[0].token_ids for o in outs]
+        outs = llm.generate(prompts, params)
+        out[asynchronous] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        for o, p in zip(outs, params):
+            if p.structured_outputs is not None:
+                jsonschema.validate(json.loads(o.outputs[0].text), schema)
         assert_engine_idle(llm)
         assert bool(ahead) == asynchronous  # with async scheduling guided rows did run ahead
+        assert bool(engine.num_rewinds) == asynchronous  # and some drawn token was replaced while they did
     assert out[True] == out[False]
+
+    # sampled (seeded): valid documents within the budgets
+    llm = LLM(tiny_model_dirs["llama"], async_scheduling=True, **KW)
+    sampled = [SamplingParams(temperature=1.5, seed=i, max_tokens=24 + i % 9, structured_outputs=guide)
+               for i in range(24)]
+    for o, p in zip(llm.generate(random_prompts(24, seed=3, max_len=20), sampled), sampled):
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+        assert len(o.outputs[0].token_ids) <= p.max_tokens
+    assert llm.engine.num_rewinds > 0
+    assert_engine_idle(llm)
 
 
 def test_refused_with_several_ranks() -> None:

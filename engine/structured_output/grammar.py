@@ -65,11 +65,6 @@ class SequenceGrammar:
         self.forced = not self.budget_lost and self.verified and 0 < len(self.plan or ()) == remaining
         return self.plan[0] if self.forced else None  # type: ignore[index]
 
-    def may_replace(self, remaining: int) -> bool:
-        """Whether accepting the token sampled with `remaining` tokens left (as given to prepare) may replace it:
-        only near the end of a guarded budget, where every token is checked (one token of margin)."""
-        return not self.budget_lost and self.plan is not None and self._slack(remaining - 1) <= ZONE_MARGIN + 1
-
     def accept(self, token: int, remaining: int) -> int:
         """Take the sampled token (`remaining` as given to prepare); returns the token kept: the sampled one, or the
         plan's next (or a stop token) where the sampled one would leave no completion within the budget."""

@@ -16,10 +16,11 @@ import concurrent.futures
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import AbstractSet, Any, Callable
 
 import torch
 
+from kvgate.engine.sampler import to_device
 from kvgate.engine.sequence import Request, Sequence, SequenceStatus
 from kvgate.engine.structured_output.completion import MAX_COMPLETION_TOKENS, CompletionSearch, improve
 from kvgate.engine.structured_output.grammar import SequenceGrammar
@@ -53,9 +54,10 @@ class GrammarStep:
             # before this copy ran (async scheduling)
             staged = torch.empty(bitmask.shape, dtype=bitmask.dtype, pin_memory=True).copy_(bitmask)
             bitmask = staged.to(logits.device, non_blocking=True)
-        every_row = len(self.rows) == n  # (rows are distinct and sorted)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
-                                        indices=None if every_row else self.rows)
+        indices: Any = None if len(self.rows) == n else self.rows  # (rows are distinct and sorted)
+        if indices is not None and logits.device.type != "cpu":  # pinned: a list would be copied with a wait
+            indices = to_device(indices, torch.int32, logits.device)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
 
     def accept(self, tokens: list[int]) -> list[int]:
         """Accept each guided row's sampled token into its matcher; returns `tokens` with any token the budget-aware
@@ -210,10 +212,12 @@ class StructuredOutputManager:
         return self._backend
 
     # ---- a step ----------------------------------------------------------------------------------------------------
-    def prepare_step(self, rows: list[Sequence], remaining: list[int | None]) -> GrammarStep | None:
+    def prepare_step(self, rows: list[Sequence], remaining: list[int | None],
+                     unguided: AbstractSet[Sequence] = frozenset()) -> GrammarStep | None:
         """The step's GrammarStep for the sampled `rows` (remaining[i]: tokens rows[i] may still produce, None for
-        an unguided row), its bitmask filled; None when no row is guided."""
-        guided = [i for i, seq in enumerate(rows) if seq.grammar is not None]
+        an unguided row), its bitmask filled; None when no row is guided. Rows in `unguided` are left out (their
+        tokens will not be used)."""
+        guided = [i for i, seq in enumerate(rows) if seq.grammar is not None and seq not in unguided]
         if not guided:
             return None
         bitmask = self._bitmask_rows(len(rows))
