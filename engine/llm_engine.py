@@ -83,13 +83,15 @@ class LLMEngine:
         store = self.runner.offload
         if store is not None:
             disk = store.disk  # rank 0's: the files it holds already, how its fetches go, whether it still works
+            ranks = a.tensor_parallel_size * a.pipeline_parallel_size  # > 1: every rank's fetches are confirmed
             offload = OffloadTier(
                 store.num_slots, a.kv_offloading_eviction, self.runner.block_bytes_all_ranks,
                 disk_blocks=int(a.kv_offloading_disk_size * (1 << 30)) // self.runner.block_bytes_all_ranks
                 if disk is not None else 0,
                 on_disk=self.runner.on_disk if disk is not None else None,
                 fetch_result=disk.poll if disk is not None else None,
-                disk_broken=lambda: disk is not None and disk.broken)
+                disk_broken=lambda: disk is not None and disk.broken,
+                confirm_result=store.take_confirmed if disk is not None and ranks > 1 else None)
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
         # async scheduling (one rank): step N+1 is scheduled and started while the device runs step N, its pending

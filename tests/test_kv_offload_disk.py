@@ -153,7 +153,8 @@ def test_greedy_tokens_are_the_same_with_the_disk_tier_and_a_fresh_engine_reads_
         assert st.spilled_blocks > 30 and st.fetched_blocks > 20 and st.failed_fetches == 0
         stats = MemoryMonitor(llm.engine).get_stats()
         assert stats["offload_disk_blocks"] > 30 and 0 < stats["offload_disk_used"] <= stats["offload_disk_capacity"]
-        assert stats["offload_disk_hit_rate"] > 0.2
+        # (how many prompt tokens the disk serves depends on how its reads and the steps interleave: 13-27% seen)
+        assert stats["offload_disk_hit_rate"] == st.disk_hits / st.disk_queries > 0.05
         assert_engine_idle(llm)
     finally:
         llm.engine.shutdown()
@@ -202,14 +203,19 @@ def test_at_start_the_disk_tier_keeps_only_blocks_every_rank_has_a_file_of(tiny_
         again.engine.shutdown()
 
 
-def test_a_corrupt_file_is_deleted_and_its_block_recomputed(tiny_llama: str, plain_tokens, tmp_path) -> None:
+@pytest.mark.parametrize("tp,rank", [(1, 0), (2, 1)])
+def test_a_corrupt_file_is_deleted_and_its_block_recomputed(tiny_llama: str, plain_tokens, tmp_path, tp: int,
+                                                            rank: int) -> None:
+    """Two of a rank's files damaged (a byte flipped, a file cut short): the blocks are recomputed and the files
+    deleted. With TP=2 the damage is on rank 1 alone, whose reads the ranks confirm before anyone loads the block
+    (before, rank 1 stopped at the load, and the engine with it)."""
     disk = dict(kv_offloading_size=0.0002, kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=0.1)
-    llm = LLM(tiny_llama, **TIERS, **disk)
+    llm = LLM(tiny_llama, tensor_parallel_size=tp, **TIERS, **disk)
     try:
         run_rounds(llm, ROUNDS[:1])
     finally:
         llm.engine.shutdown()
-    files = sorted(glob.glob(str(tmp_path / "*" / "rank0" / "*.kv")), key=os.path.getmtime)
+    files = sorted(glob.glob(str(tmp_path / "*" / f"rank{rank}" / "*.kv")), key=os.path.getmtime)
     victim = files[0]  # the oldest file: a block of the first document
     with open(victim, "r+b") as f:  # one byte of the payload flipped
         f.seek(-5, os.SEEK_END)
@@ -220,7 +226,7 @@ def test_a_corrupt_file_is_deleted_and_its_block_recomputed(tiny_llama: str, pla
     with open(torn, "r+b") as f:  # a torn file: cut short
         f.truncate(100)
     bad_victim, bad_torn = (open(p, "rb").read() for p in (victim, torn))
-    again = LLM(tiny_llama, **TIERS, **disk)
+    again = LLM(tiny_llama, tensor_parallel_size=tp, **TIERS, **disk)
     try:
         assert run_rounds(again, ROUNDS[1:]) == plain_tokens[1:]
         st = again.engine.block_manager.offload.stats

@@ -2,7 +2,8 @@
 slots (pinned CPU memory on CUDA) holding this rank's share of each offloaded block (its KV heads, its stage's
 layers), and the SAVE / LOAD copies of a step, queued on the device's stream before the step's forward; with a
 disk tier (engine/kv_offload/disk.py), the SPILLs of slots to files, FETCHes of files into slots and DELETEs of
-files, handed to the disk's threads in order."""
+files, handed to the disk's threads in order, and the CONFIRMs of fetches, where the ranks tell each other how
+their reads went."""
 from __future__ import annotations
 
 import os
@@ -10,8 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvgate.engine.distributed.parallel_state import get_world_group
 from kvgate.engine.kv_offload.disk import DiskStore
-from kvgate.engine.kv_offload.tier import DELETE, FETCH, LOAD, SAVE, SPILL
+from kvgate.engine.kv_offload.tier import CONFIRM, DELETE, FETCH, LOAD, SAVE, SPILL
 
 
 @dataclass
@@ -30,6 +32,7 @@ class OffloadStore:
         # waits only for the gather of the blocks it overwrites); _saved is recorded after the last of them
         self._stream = torch.cuda.Stream(kv.device) if kv.is_cuda else None
         self._saved: torch.cuda.Event | None = None
+        self.confirmed: dict[int, bool] = {}  # rank 0: slot -> whether every rank's fetch into it arrived intact
         if self.disk_dir is not None:
             self.disk = DiskStore(self.disk_dir, self.slots)
 
@@ -43,11 +46,16 @@ class OffloadStore:
                 if kind == DELETE:
                     self.disk.delete(key)  # type: ignore[union-attr]
                     continue
+                if kind == CONFIRM:
+                    continue  # below, together
                 # the host reads (SPILL) or writes (FETCH) the slot: a read or a SAVE copy still landing there first
                 self._settle((slot,))
                 if self._saved is not None:
                     self._saved.synchronize()
                 (self.disk.spill if kind == SPILL else self.disk.fetch)(slot, key)  # type: ignore[union-attr]
+            confirms = [slot for kind, slot, _ in io if kind == CONFIRM]
+            if confirms:
+                self._confirm(confirms)
             if saves:
                 blocks, slots = zip(*saves)
                 self._settle(slots)
@@ -63,6 +71,24 @@ class OffloadStore:
                 for i, j, first in _slot_runs(slots):
                     staged[i:j].copy_(self.slots[first:first + j - i], non_blocking=True)
                 kv.index_copy_(2, torch.tensor(blocks, device=kv.device), staged.movedim(0, 2))
+
+    def take_confirmed(self, slot: int) -> bool | None:
+        """Rank 0: whether every rank's fetch into `slot` arrived intact (told once; None: not confirmed yet)."""
+        return self.confirmed.pop(slot, None)
+
+    def _confirm(self, slots: list[int]) -> None:
+        """Every rank says whether its fetch into each slot arrived intact (waiting for its own reads), and rank 0
+        keeps the verdicts: a block that some rank could not read is recomputed, and no rank loads it. (Rank 0's own
+        results were taken by the tier already: only fetches intact there are confirmed.)"""
+        world = get_world_group()
+        mine = []
+        for slot in slots:
+            ok = self.disk.wait(slot)  # type: ignore[union-attr]
+            mine.append(ok is True or (world.rank == 0 and ok is None))
+        every = world.all_gather_object(mine)
+        if world.rank == 0:
+            for i, slot in enumerate(slots):
+                self.confirmed[slot] = all(flags[i] for flags in every)
 
     def _copy_out(self, staged: torch.Tensor, slots: tuple[int, ...]) -> None:
         """Copy the gathered blocks into their slots: on CUDA on the copy stream, after the gather, the forward not
@@ -110,7 +136,7 @@ def _phases(ops: list[tuple]) -> list[tuple[list[tuple[int, int, bytes]], list[t
             clash = a in loaded_blocks or b in read_slots or b in saved_slots or b in fetched_slots
         elif kind == LOAD:
             clash = a in loaded_blocks or b in fetched_slots
-        elif kind in (SPILL, FETCH):
+        elif kind in (SPILL, FETCH, CONFIRM):
             clash = a in saved_slots or a in read_slots or a in fetched_slots
         else:
             clash = False

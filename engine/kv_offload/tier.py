@@ -15,7 +15,9 @@ Two halves, as the blocks themselves:
 With a disk tier below (kv_offloading_disk_dir), a block the full CPU tier evicts is SPILLed to a file on every
 rank, and the tier keeps an index of the blocks on disk (its own policy, as big as kv_offloading_disk_size allows,
 DELETEing the files it drops). A prefix hit on disk FETCHes the block into a slot (a background read on every
-rank); its request waits, others run, until rank 0's read is done (`poll`), and the block is then a CPU hit.
+rank); its request waits, others run, until rank 0's read is done (`poll`), and the block is then a CPU hit. With
+more than one rank, every rank's read must have arrived intact: once rank 0's has, the next step CONFIRMs the slot
+(the ranks gather how their reads went), and a block some rank could not read is recomputed like a missing one.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from typing import AbstractSet, Callable
 from kvgate.engine.kv_offload.policy import make_policy
 
 # the ops (engine/kv_offload/store.py runs them): (SAVE, device block, slot), (LOAD, device block, slot),
-# (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest)
-SAVE, LOAD, SPILL, FETCH, DELETE = range(5)
+# (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest), (CONFIRM, slot, block digest)
+SAVE, LOAD, SPILL, FETCH, DELETE, CONFIRM = range(6)
 FETCHED_KEPT_S = 60.0  # how long a block read back from disk is kept for the request that asked for it
 
 
@@ -43,16 +45,18 @@ class OffloadStats:
     disk_hits: int = 0  # of those, tokens found there (fetched, then loaded)
     spilled_blocks: int = 0  # blocks written to disk
     fetched_blocks: int = 0  # blocks read back from disk intact
-    failed_fetches: int = 0  # blocks whose file was missing or corrupt (recomputed)
+    failed_fetches: int = 0  # blocks whose file was missing or corrupt on some rank (recomputed)
 
 
 class OffloadTier:
     def __init__(self, num_slots: int, eviction: str = "arc", block_bytes: int = 0, disk_blocks: int = 0,
                  on_disk: list[bytes] | None = None, fetch_result: Callable[[int], bool | None] | None = None,
-                 disk_broken: Callable[[], bool] = lambda: False) -> None:
+                 disk_broken: Callable[[], bool] = lambda: False,
+                 confirm_result: Callable[[int], bool | None] | None = None) -> None:
         """`disk_blocks`: the disk tier's capacity (0: none); `on_disk`: the blocks its files hold already, least
         recently written first; `fetch_result(slot)`: how rank 0's fetch into a slot went (None: still reading);
-        `disk_broken()`: rank 0's disk failed a write (no more spills)."""
+        `disk_broken()`: rank 0's disk failed a write (no more spills); `confirm_result(slot)`: with several ranks,
+        whether every rank's fetch into the slot went well, once a CONFIRM of it ran (None: not yet)."""
         self.num_slots = num_slots
         self.block_bytes = block_bytes  # one block on every rank together (for the byte counters)
         self.policy = make_policy(eviction, num_slots)
@@ -62,9 +66,10 @@ class OffloadTier:
         self.ops: list[tuple] = []  # in order
         self.stats = OffloadStats()
         self.disk = make_policy("lru", disk_blocks) if disk_blocks > 0 else None  # the blocks on disk
-        self.fetching: dict[bytes, int] = {}  # block digest -> the slot its file is read into
+        self.fetching: dict[bytes, int] = {}  # block digest -> the slot its file is read into (or confirmed in)
+        self.confirming: set[bytes] = set()  # of those, read intact on rank 0, the other ranks asked (CONFIRM)
         self.fetched: dict[bytes, float] = {}  # read back and not loaded yet: kept in its slot (since when)
-        self.fetch_result, self.disk_broken = fetch_result, disk_broken
+        self.fetch_result, self.disk_broken, self.confirm_result = fetch_result, disk_broken, confirm_result
         for key in on_disk or []:
             self._to_disk(key)
 
@@ -133,17 +138,27 @@ class OffloadTier:
         return True
 
     def poll(self) -> None:
-        """Take in the fetches rank 0 finished: an intact block is a CPU hit now; a missing or corrupt one is
-        forgotten (and its files deleted on every rank)."""
+        """Take in the fetches rank 0 finished (with several ranks: that every rank finished intact): an intact block
+        is a CPU hit now; a missing or corrupt one is forgotten (and its files deleted on every rank)."""
         now = time.monotonic()
         for key in [k for k, t in self.fetched.items() if now - t > FETCHED_KEPT_S]:
             del self.fetched[key]  # its request went away (aborted): an ordinary CPU block now
-        unsent = {op[2] for op in self.ops if op[0] == FETCH}  # (not sent to the ranks yet)
+        unsent = {op[2] for op in self.ops if op[0] in (FETCH, CONFIRM)}  # (not sent to the ranks yet)
         for key, slot in list(self.fetching.items()):
-            ok = None if key in unsent else self.fetch_result(slot)  # type: ignore[misc]
+            if key in unsent:
+                continue
+            if key in self.confirming:
+                ok = self.confirm_result(slot)  # type: ignore[misc]
+            else:
+                ok = self.fetch_result(slot)  # type: ignore[misc]
+                if ok and self.confirm_result is not None:  # the other ranks' reads: asked in the next step
+                    self.confirming.add(key)
+                    self.ops.append((CONFIRM, slot, key))
+                    continue
             if ok is None:
                 continue
             del self.fetching[key]
+            self.confirming.discard(key)
             if ok:
                 self.stats.fetched_blocks += 1
                 self.fetched[key] = now  # kept until loaded (its request is about to come back)
