@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 4's GPU serving benchmark in one go: kvgate serve with Qwen3-0.6B shapes (dummy bf16 weights and a
-# synthetic tokenizer), `benchmarks/serving.py` at 128-token prompts (1000 requests at 50/100/200 clients) and
+# synthetic byte-level tokenizer, as Qwen3's own is; DUMMY_TOKENIZER=word for the word-level one of results before
+# 2026-12-05), `benchmarks/serving.py` at 128-token prompts (1000 requests at 50/100/200 clients) and
 # 1024-token prompts (200 requests at 20/50/100 clients), then the offline engine on the same requests for the
 # online/offline ratio (detokenized with the same tokenizer, as the server does).
 #   bash benchmarks/serving_gpu.sh [OUT_DIR]        # tables in OUT_DIR (default: a temporary folder)
@@ -13,7 +14,7 @@ out=${1:-$(mktemp -d)}
 config=${CONFIG:-benchmarks/configs/qwen3-0.6b}
 model=$(mktemp -d)/$(basename "$config")-dummy
 port=${PORT:-8123}
-python benchmarks/dummy_tokenizer.py "$config" "$model" >/dev/null
+python benchmarks/dummy_tokenizer.py $([[ ${DUMMY_TOKENIZER:-bytes} == word ]] || echo --byte-level) "$config" "$model" >/dev/null
 python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT

@@ -14,7 +14,7 @@ import torch
 
 from kvgate.engine.block_manager import BlockManager
 from kvgate.engine.config import EngineArgs, EngineConfig
-from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
+from kvgate.engine.detokenizer import byte_table, check_stop_strings, detokenize_incrementally, init_offsets
 from kvgate.engine.executor import Executor
 from kvgate.engine.kv_offload import OffloadTier
 from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
@@ -71,6 +71,8 @@ class LLMEngine:
         self.config = config
         a = config.args
         self.tokenizer = None if a.skip_tokenizer_init else load_tokenizer(config)
+        if self.tokenizer is not None:
+            byte_table(self.tokenizer)  # built now (a byte-level tokenizer's bytes per token), not at the first token
         self.executor = Executor(config)  # every tensor-parallel rank's runner (one, in this process, at size 1)
         self.runner = self.executor.runner  # rank 0's: its logits are sampled here
         capacity = self.runner.num_blocks * a.block_size

@@ -87,6 +87,7 @@ class Sequence:
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        self.pending_bytes = b""  # byte-level tokenizers: the bytes of a character not complete yet
         self.sent_text_len = 0
         self.sent_token_len = 0
 

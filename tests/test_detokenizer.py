@@ -10,7 +10,7 @@ import pytest
 from tiny_models import VOCAB_SIZE, assert_engine_idle, one_thread, random_prompts
 
 from kvgate.engine import LLM, LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
-from kvgate.engine.detokenizer import check_stop_strings, detokenize_incrementally, init_offsets
+from kvgate.engine.detokenizer import byte_table, check_stop_strings, detokenize_incrementally, init_offsets
 from kvgate.engine.sequence import Request, Sequence
 
 MULTI = "naïve café 日本語 🙂 ok"
@@ -31,6 +31,28 @@ def llm(tiny_llama: str) -> LLM:
 @pytest.fixture(scope="module")
 def tok(llm: LLM):
     return llm.get_tokenizer()
+
+
+class WithoutByteTable:
+    """The same tokenizer, seen without its Rust backend: detokenized the other way (context decodes)."""
+    _tokenizer = None
+
+    def __init__(self, tok) -> None:
+        self._tok = tok
+
+    def __getattr__(self, name: str):
+        return getattr(self._tok, name)
+
+
+@pytest.fixture(params=["byte table", "context decodes"])
+def any_tok(request, tok):
+    """The tiny tokenizer (byte-level BPE) through each of the detokenizer's two ways."""
+    if request.param == "byte table":
+        assert byte_table(tok) is not None
+        return tok
+    other = WithoutByteTable(tok)
+    assert byte_table(other) is None
+    return other
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------
@@ -106,53 +128,79 @@ def collect(engine: LLMEngine, requests: Requests) -> dict[str, list[RequestOutp
 
 # ---- detokenize_incrementally ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt_text", ["Say: ", "A", "The capital of Japan is 日本語 and", "🙂 "])
-def test_multibyte_text_token_by_token(tok, prompt_text: str) -> None:
-    prompt = tok.encode(prompt_text)
-    ids = tok.encode(MULTI)
-    assert tok.decode(ids) == MULTI
+def test_multibyte_text_token_by_token(any_tok, prompt_text: str) -> None:
+    prompt = any_tok.encode(prompt_text)
+    ids = any_tok.encode(MULTI)
+    assert any_tok.decode(ids) == MULTI
     seq = new_seq(prompt)
-    deltas = stream(tok, seq, ids)
+    deltas = stream(any_tok, seq, ids)
     assert_clean_stream(deltas, MULTI)
     assert seq.text == MULTI
     # with one token per byte every multi-byte character is split: the detokenizer must wait for its last byte
     seq = new_seq(prompt)
-    byte_ids = byte_token_ids(tok, MULTI)
-    deltas = stream(tok, seq, byte_ids)
+    byte_ids = byte_token_ids(any_tok, MULTI)
+    deltas = stream(any_tok, seq, byte_ids)
     assert_clean_stream(deltas, MULTI)
     assert seq.text == MULTI
     assert deltas.count("") == len(MULTI.encode()) - len(MULTI), "no text until a character is complete"
     assert [d for d in deltas if d] == list(MULTI), "each character comes whole, once"
 
 
-def test_mixed_tokens_and_special_tokens(tok) -> None:
-    text_ids = tok.encode("Hello 🙂 world")
-    bytes_ids = byte_token_ids(tok, " 日本")
-    end_id = tok.convert_tokens_to_ids("<|im_end|>")
-    out = text_ids + [end_id] + bytes_ids[:2] + [tok.convert_tokens_to_ids("<|endoftext|>")] + bytes_ids[2:] \
-        + tok.encode(" ok")
-    seq = new_seq(tok.encode("Q: "))
-    deltas = stream(tok, seq, out, skip_special_tokens=True)
-    assert_clean_stream(deltas, tok.decode(out, skip_special_tokens=True))
+def test_mixed_tokens_and_special_tokens(any_tok) -> None:
+    text_ids = any_tok.encode("Hello 🙂 world")
+    bytes_ids = byte_token_ids(any_tok, " 日本")
+    end_id = any_tok.convert_tokens_to_ids("<|im_end|>")
+    out = text_ids + [end_id] + bytes_ids[:2] + [any_tok.convert_tokens_to_ids("<|endoftext|>")] + bytes_ids[2:] \
+        + any_tok.encode(" ok")
+    seq = new_seq(any_tok.encode("Q: "))
+    deltas = stream(any_tok, seq, out, skip_special_tokens=True)
+    assert_clean_stream(deltas, any_tok.decode(out, skip_special_tokens=True))
     assert seq.text == "Hello 🙂 world 日本 ok"
-    seq = new_seq(tok.encode("Q: "))
-    deltas = stream(tok, seq, out, skip_special_tokens=False)
-    assert seq.text == tok.decode(out, skip_special_tokens=False)
+    seq = new_seq(any_tok.encode("Q: "))
+    deltas = stream(any_tok, seq, out, skip_special_tokens=False)
+    assert seq.text == any_tok.decode(out, skip_special_tokens=False)
     assert "<|im_end|>" in seq.text
     # a special token that falls inside a split character does not break it
     assert "".join(deltas) == seq.text
 
 
-def test_random_token_streams_match_the_full_decode(tok) -> None:
+def test_random_token_streams_match_the_full_decode(any_tok) -> None:
     """Random ids include lone bytes that form broken or partial characters; the stream equals the decode."""
     rng = random.Random(0)
-    byte_ids = byte_token_ids(tok, "é日🙂ü語")
+    byte_ids = byte_token_ids(any_tok, "é日🙂ü語")
     for trial in range(150):
         pool = list(range(3, VOCAB_SIZE)) if trial % 2 else byte_ids + rng.sample(range(3, VOCAB_SIZE), 20)
         out = [rng.choice(pool) for _ in range(rng.randint(1, 30))]
-        seq = new_seq(tok.encode(rng.choice(["Hi", "Say this: ", "日本語: ", "a b c d e f g h"])))
-        deltas = stream(tok, seq, out)
-        assert_clean_stream(deltas, expected_text(tok, out))
-        assert seq.text == expected_text(tok, out)
+        seq = new_seq(any_tok.encode(rng.choice(["Hi", "Say this: ", "日本語: ", "a b c d e f g h"])))
+        deltas = stream(any_tok, seq, out)
+        assert_clean_stream(deltas, expected_text(any_tok, out))
+        assert seq.text == expected_text(any_tok, out)
+
+
+def test_the_byte_table_is_used_only_where_it_decodes_as_the_tokenizer(tok) -> None:
+    """Byte-level BPE gets a table, checked against the tokenizer on every token and on random sequences; a
+    tokenizer whose decoding differs (another decoder in the chain, or not byte-level at all) gets none."""
+    from tokenizers import Tokenizer, decoders, models
+
+    table = byte_table(tok)
+    assert table is not None and byte_table(tok) is table  # built once
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(VOCAB_SIZE + 3) for _ in range(rng.randint(1, 20))]  # (a few past the vocabulary)
+        for skip in (True, False):
+            assert table.decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+    changed = Tokenizer.from_str(tok._tokenizer.to_str())
+    changed.decoder = decoders.Sequence([decoders.Replace("Ġ", "_"), decoders.ByteLevel()])  # spaces become "_"
+    assert byte_table(WithBackend(tok, changed)) is None
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    words.decoder = decoders.WordPiece()
+    assert byte_table(WithBackend(tok, words)) is None
+
+
+class WithBackend(WithoutByteTable):
+    def __init__(self, tok, backend) -> None:
+        super().__init__(tok)
+        self._tokenizer = backend
 
 
 # ---- streaming through the engine --------------------------------------------------------------------------------
