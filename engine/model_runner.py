@@ -218,32 +218,47 @@ class ModelRunner:
         slots: list[int] = []
         starts, seq_lens, logits_rows = [0], [], []
         states = self.state.apply(step)
+        max_blocks = max(len(s.block_table) for s in states)
+        tables: list[int] = []  # flat, each row padded to max_blocks
+        end = 0
         for s, n, c, wanted in zip(states, step.num_new_tokens, step.num_computed_tokens, step.samples):
-            tokens = s.token_ids[c:c + n]
-            input_ids.extend(tokens)
-            if len(tokens) < n:  # its last token is pending: filled in on the device below
-                input_ids.extend([0] * (n - len(tokens)))
-            positions.extend(range(c, c + n))
             table = s.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            starts.append(starts[-1] + n)
+            if n == 1:  # a decode (hot: once per sequence and step)
+                ids = s.token_ids
+                input_ids.append(ids[c] if c < len(ids) else 0)  # (a pending token: filled in on the device below)
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+            else:
+                tokens = s.token_ids[c:c + n]
+                input_ids.extend(tokens)
+                if len(tokens) < n:  # its last token is pending: filled in on the device below
+                    input_ids.extend([0] * (n - len(tokens)))
+                positions.extend(range(c, c + n))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            end += n
+            starts.append(end)
             seq_lens.append(c + n)
             if wanted:
-                logits_rows.append(starts[-1] - 1)
-        max_blocks = max(len(s.block_table) for s in states)
-        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in states]
-        dev = self.device
-        t = functools.partial(to_device, device=dev)  # through pinned memory on CUDA: the host does not wait
+                logits_rows.append(end - 1)
+            tables += table
+            if len(table) < max_blocks:
+                tables += [0] * (max_blocks - len(table))
+        # two copies to the device (through pinned memory on CUDA: the host does not wait), each of the step's
+        # lists one after the other, every one starting 16-byte aligned (as Triton's kernels are specialized)
+        t = functools.partial(to_device, device=self.device)
+        ids, positions_t, slot_mapping = _cut(t(_packed(input_ids, positions, slots), torch.long),
+                                              (input_ids, positions, slots))
+        query_start_loc, seq_lens_t, block_tables = _cut(t(_packed(starts, seq_lens, tables), torch.int32),
+                                                         (starts, seq_lens, tables))
         md = AttentionMetadata(
-            slot_mapping=t(slots, torch.long), query_start_loc=t(starts, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), block_tables=t(tables, torch.int32), num_decodes=step.num_decodes,
+            slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+            block_tables=block_tables.view(len(states), max_blocks), num_decodes=step.num_decodes,
             max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens), block_size=bs,
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        ids = t(input_ids, torch.long)
         if step.pending_rows:
             dst = t([starts[i + 1] - 1 for i in step.pending_rows], torch.long)
             ids[dst] = sampled[t(step.pending_src, torch.long)]  # type: ignore[index]
-        return ids, t(positions, torch.long), md, logits_rows
+        return ids, positions_t, md, logits_rows
 
     def _local_forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_rows: int) -> None:
         """This stage's part of a step with made-up inputs (warm-up, memory profile): nothing is sent."""
@@ -331,3 +346,25 @@ class ModelRunner:
             return out, rows
         self.pp.send(list(out))
         return None, rows
+
+
+_ALIGN = 4  # elements: 16 bytes of int32, 32 of int64
+
+
+def _packed(*lists: list[int]) -> list[int]:
+    """The lists one after the other, each padded to a multiple of _ALIGN elements."""
+    out: list[int] = []
+    for values in lists:
+        out += values
+        if len(values) % _ALIGN:
+            out += [0] * (_ALIGN - len(values) % _ALIGN)
+    return out
+
+
+def _cut(flat: torch.Tensor, lists: tuple[list[int], ...]) -> list[torch.Tensor]:
+    """The views of `flat` (from _packed) holding each list."""
+    views, at = [], 0
+    for values in lists:
+        views.append(flat[at:at + len(values)])
+        at += -(-len(values) // _ALIGN) * _ALIGN
+    return views
