@@ -90,7 +90,7 @@ def _build_table(tokenizer) -> ByteTable | None:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
         return None
     kind = type(backend.decoder).__name__
-    if kind == "Sequence":  # e.g. a GGUF's tokenizer as transformers converts it: ByteFallback, Fuse, Replace, ByteLevel
+    if kind == "Sequence":  # as transformers converts a GGUF's tokenizer: ByteFallback, Fuse, Replace, ByteLevel
         inner = json.loads(backend.decoder.__getstate__()).get("decoders", [])
         if "ByteLevel" not in {d.get("type") for d in inner}:
             return None
@@ -100,7 +100,7 @@ def _build_table(tokenizer) -> ByteTable | None:
     size = backend.get_vocab_size(with_added_tokens=True)
     pieces = [b""] * size
     for tok, i in backend.get_vocab(with_added_tokens=True).items():
-        try:  # ByteLevel's rule: a token's characters through the byte table, or its own UTF-8 where one is not in it
+        try:  # ByteLevel's rule: a token's characters through the byte table, or its UTF-8 where one is not in it
             pieces[i] = tok.translate(translation).encode("latin-1")
         except UnicodeEncodeError:
             if kind == "Sequence":  # after Fuse that rule would hold for the whole text at once: not token by token
