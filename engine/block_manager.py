@@ -151,9 +151,9 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full (all tokens computed, or being computed by a step in flight, which
         runs before any step that could read them) in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
         bs = self.block_size
+        if not self.enable_prefix_caching or seq.num_computed_tokens < (seq.num_hashed_blocks + 1) * bs:
+            return  # (hot, once per sequence and step: most steps fill no block)
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs  # a pending token's id is not known yet
         for i in range(seq.num_hashed_blocks, full):
             parent = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None

@@ -374,13 +374,9 @@ class LLMEngine:
                 seq.num_pending -= 1
             logits = self.executor.finish(f.started)
             sampled = self._sample(logits, rows, f.index) if rows else None
-        bm = self.block_manager
-        if bm.enable_prefix_caching:
-            bs = bm.block_size
-            for seq, _ in f.out.scheduled:  # (hot: most steps fill no block of a sequence)
-                if seq.num_computed_tokens >= (seq.num_hashed_blocks + 1) * bs and \
-                        seq.status is not SequenceStatus.FINISHED:
-                    bm.cache_full_blocks(seq)
+        for seq, _ in f.out.scheduled:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.block_manager.cache_full_blocks(seq)
         if sampled is None:
             return []
         result = self.sampler.result(sampled)

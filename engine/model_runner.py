@@ -245,17 +245,16 @@ class ModelRunner:
                 tables += [0] * (max_blocks - len(table))
         # two copies to the device (through pinned memory on CUDA: the host does not wait), each of the step's
         # lists one after the other, every one starting 16-byte aligned (as Triton's kernels are specialized)
-        t = functools.partial(to_device, device=self.device)
-        ids, positions_t, slot_mapping = _cut(t(_packed(input_ids, positions, slots), torch.long),
-                                              (input_ids, positions, slots))
-        query_start_loc, seq_lens_t, block_tables = _cut(t(_packed(starts, seq_lens, tables), torch.int32),
-                                                         (starts, seq_lens, tables))
+        ids, positions_t, slot_mapping = _packed_to_device((input_ids, positions, slots), torch.long, self.device)
+        query_start_loc, seq_lens_t, block_tables = _packed_to_device((starts, seq_lens, tables), torch.int32,
+                                                                      self.device)
         md = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
             block_tables=block_tables.view(len(states), max_blocks), num_decodes=step.num_decodes,
             max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens), block_size=bs,
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
         if step.pending_rows:
+            t = functools.partial(to_device, device=self.device)
             dst = t([starts[i + 1] - 1 for i in step.pending_rows], torch.long)
             ids[dst] = sampled[t(step.pending_src, torch.long)]  # type: ignore[index]
         return ids, positions_t, md, logits_rows
@@ -351,20 +350,15 @@ class ModelRunner:
 _ALIGN = 4  # elements: 16 bytes of int32, 32 of int64
 
 
-def _packed(*lists: list[int]) -> list[int]:
-    """The lists one after the other, each padded to a multiple of _ALIGN elements."""
-    out: list[int] = []
+def _packed_to_device(lists: tuple[list[int], ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The lists on the device in one copy (to_device): one after the other, each starting at a multiple of _ALIGN
+    elements; the views holding each."""
+    flat: list[int] = []
+    at: list[int] = []
     for values in lists:
-        out += values
+        at.append(len(flat))
+        flat += values
         if len(values) % _ALIGN:
-            out += [0] * (_ALIGN - len(values) % _ALIGN)
-    return out
-
-
-def _cut(flat: torch.Tensor, lists: tuple[list[int], ...]) -> list[torch.Tensor]:
-    """The views of `flat` (from _packed) holding each list."""
-    views, at = [], 0
-    for values in lists:
-        views.append(flat[at:at + len(values)])
-        at += -(-len(values) // _ALIGN) * _ALIGN
-    return views
+            flat += [0] * (_ALIGN - len(values) % _ALIGN)
+    packed = to_device(flat, dtype, device)
+    return [packed[a:a + len(values)] for a, values in zip(at, lists)]
