@@ -28,7 +28,7 @@ from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, Sequence
 from kvgate.engine.stats import LatencyStats
 from kvgate.engine.step_input import StepInputBuilder
 from kvgate.engine.structured_output import StructuredOutputsParams
-from kvgate.engine.structured_output.manager import StructuredOutputManager
+from kvgate.engine.structured_output.manager import GrammarStep, StructuredOutputManager
 from kvgate.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class StepInFlight:
     started: Any
     sampled: SampledTokens | None = None
     logits: torch.Tensor | None = None  # async: logits whose drawing waits for the step before to complete
+    guide: GrammarStep | None = None  # async: its guided rows' masks, being filled while the drawing is deferred
     # async: rows whose input token the step before replaced (a guided row's budget-aware finish) after this step
     # started with the token drawn: their results are dropped, and the position is computed again
     dropped: set[Sequence] = field(default_factory=set)
@@ -105,6 +106,7 @@ class LLMEngine:
         self.in_flight_seqs: set[Sequence] = set()  # pipeline stages: the sequences of the steps in flight
         self.last_sampled: SampledTokens | None = None  # async: the latest started step's tokens
         self.last_rows: dict[int, int] = {}  # async: seq id -> its row in last_sampled
+        self.drawing: StepInFlight | None = None  # async: a step whose sampling waits for its masks' fill (_draw)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
                                    a.scheduler_delay, a.priority_aging_rate, self.async_scheduling)
@@ -246,6 +248,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """End the parallel workers, if any (the engine cannot step afterwards); steps in flight are completed
         first, their results dropped."""
+        self.drawing = None
         while self.in_flight and self.executor.dead is None:
             f = self.in_flight.popleft()
             if f.sampled is not None or f.logits is not None:
@@ -295,7 +298,9 @@ class LLMEngine:
                 return []
         outputs = self._complete(self.in_flight.popleft())
         if self.in_flight and self.in_flight[0].logits is not None:
-            self._draw(self.in_flight[0])  # its guided rows' masks / penalties now see the tokens just completed
+            # its guided rows' masks / penalties now see the tokens just completed; the masks are filled while the
+            # caller takes the outputs and the next step is scheduled
+            self._draw(self.in_flight[0], defer=True)
         return outputs
 
     def _start(self, out: SchedulerOutput) -> StepInFlight:
@@ -322,6 +327,7 @@ class LLMEngine:
         bm = self.block_manager
         step = self.step_inputs.build(out, bm.take_freed(), bm.offload.take_ops() if bm.offload else None,
                                       self.last_rows if self.async_scheduling else None)
+        self._finish_draw()
         last = self.last_sampled.token_ids if self.last_sampled is not None and step.pending_rows else None
         started = self.executor.start(step, last)
         f = StepInFlight(out, rows, index, started)
@@ -338,32 +344,49 @@ class LLMEngine:
             # else a grammar's mask or the penalties need the tokens of the step in flight: drawn once it completed
         return f
 
-    def _draw(self, f: StepInFlight) -> None:
-        """Async scheduling: sample a started step on the device; its tokens are the next step's pending inputs."""
-        f.sampled = self._sample(f.logits, f.rows, f.index, f.dropped)  # type: ignore[arg-type]
-        f.logits = None
-        self.last_sampled, self.last_rows = f.sampled, {s.seq_id: i for i, s in enumerate(f.rows)}
+    def _draw(self, f: StepInFlight, defer: bool = False) -> None:
+        """Async scheduling: sample a started step on the device; its tokens are the next step's pending inputs.
+        `defer`: where guided rows' masks must be filled, the sampling waits for _finish_draw (before the next step
+        starts, or this one completes) while they are filled on the structured-output manager's thread."""
+        f.guide = self._guide(f.rows, f.dropped, background=defer)
         for s in f.rows:
             if s not in f.dropped:
                 s.num_pending += 1
+        self.last_rows = {s.seq_id: i for i, s in enumerate(f.rows)}
+        self.drawing = f
+        if not defer or f.guide is None:
+            self._finish_draw()
 
-    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int],
-                dropped: set[Sequence] | frozenset = frozenset()) -> SampledTokens:
-        """Sample the rows (guided ones masked: their masks are filled here, while the step's kernels run; a
-        dropped row is drawn unguided, and its token never used)."""
+    def _finish_draw(self) -> None:
+        """Sample the step _draw prepared, if any (its rows' num_pending count the token already)."""
+        f, self.drawing = self.drawing, None
+        if f is not None:
+            f.sampled = self._sample(f.logits, f.rows, f.index, f.guide, counted=True)  # type: ignore[arg-type]
+            f.logits = f.guide = None
+            self.last_sampled = f.sampled
+
+    def _guide(self, rows: list[Sequence], dropped: set[Sequence] | frozenset = frozenset(),
+               background: bool = False) -> GrammarStep | None:
+        """The guided rows' masks (StructuredOutputManager.prepare_step), or None; a dropped row is drawn unguided,
+        its token never used."""
         so = self.structured_output_manager
-        guide = None
-        if so.active:
-            guide = so.prepare_step(rows, [s.tokens_left(self.max_model_len) if s.grammar is not None else None
-                                           for s in rows], dropped)
+        if not so.active:
+            return None
+        return so.prepare_step(rows, [s.tokens_left(self.max_model_len) if s.grammar is not None else None
+                                      for s in rows], dropped, background)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Sequence], index: list[int], guide: GrammarStep | None,
+                counted: bool = False) -> SampledTokens:
+        """Sample the rows, guided ones masked by `guide`."""
         if len(index) != logits.shape[0] or index[-1] != len(index) - 1:  # n > 1: rows share a logits row
             logits = logits[to_device(index, torch.long, logits.device)]
-        return self.sampler.sample(logits, rows, guide)
+        return self.sampler.sample(logits, rows, guide, counted)
 
     def _complete(self, f: StepInFlight) -> list[EngineOutput]:
         """A started step's results: its sampled tokens on the host, prefix-cache blocks, outputs. A sequence that
         finished while the step was in flight (aborted, or stopped by the step before: async scheduling) is
         skipped."""
+        self._finish_draw()
         self.num_steps += 1
         if self.depth > 1 and not self.async_scheduling:
             self.in_flight_seqs.difference_update(seq for seq, _ in f.out.scheduled)
@@ -373,7 +396,7 @@ class LLMEngine:
             for seq in rows:
                 seq.num_pending -= 1
             logits = self.executor.finish(f.started)
-            sampled = self._sample(logits, rows, f.index) if rows else None
+            sampled = self._sample(logits, rows, f.index, self._guide(rows)) if rows else None
         for seq, _ in f.out.scheduled:
             if seq.status is not SequenceStatus.FINISHED:
                 self.block_manager.cache_full_blocks(seq)

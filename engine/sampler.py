@@ -60,10 +60,12 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
         self._seeds = random.Random(seed)  # the fused kernel's noise, a seed per step (unseeded rows)
 
-    def sample(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None) -> SampledTokens:
+    def sample(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None,
+               counted: bool = False) -> SampledTokens:
         """logits: [len(rows), vocab] float32, one row per sequence to extend by one token. `guide` (guided rows):
         their grammar's mask is applied first, so that penalties, temperature, top-k/p and min-p act on the allowed
-        tokens only. Logprobs are the model's own, from the logits before any of this."""
+        tokens only. Logprobs are the model's own, from the logits before any of this. `counted`: the rows'
+        num_pending count this token already (min_tokens)."""
         logits = logits[:, : self.vocab_size]
         dev = logits.device
         params = [s.request.sampling_params for s in rows]
@@ -73,7 +75,9 @@ class Sampler:
             lp_index = to_device(lp_rows, torch.long, dev)
             raw = torch.log_softmax(logits[lp_index] if len(lp_rows) < len(rows) else logits, dim=-1)
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        banned = [i for i, (s, p) in enumerate(zip(rows, params)) if s.num_output_tokens + s.num_pending < p.min_tokens]
+        ahead = 1 if counted else 0
+        banned = [i for i, (s, p) in enumerate(zip(rows, params))
+                  if s.num_output_tokens + s.num_pending - ahead < p.min_tokens]
         if guide is not None or penalized or banned:
             logits = logits.clone()
         if guide is not None:

@@ -154,6 +154,41 @@ def test_guided_rows_run_ahead_and_a_replaced_token_is_computed_again(tiny_model
     assert llm.engine.num_rewinds > 0
     assert_engine_idle(llm)
 
+def test_guided_masks_are_filled_while_the_next_step_is_scheduled(tiny_model_dirs: dict[str, str]) -> None:
+    """A guided step drawn after the step before completed has its masks filled on the manager's filler thread
+    (xgrammar releases the GIL), and is sampled only after the engine scheduled and built the next step: the fill
+    overlaps that host work. Tokens (greedy) and min_tokens come out as without async scheduling."""
+    import threading
+
+    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+    sp = [SamplingParams(temperature=0.0, max_tokens=40, min_tokens=6 + i,
+                         structured_outputs=StructuredOutputsParams(json=schema)) for i in range(6)]
+    prompts = random_prompts(6, seed=11, max_len=20)
+    want, _ = run(tiny_model_dirs["llama"], prompts, sp, False)
+
+    llm = LLM(tiny_model_dirs["llama"], async_scheduling=True, **KW)
+    engine, so = llm.engine, llm.engine.structured_output_manager
+    log: list[tuple[str, str]] = []
+    fill, schedule, sample = so._fill, engine.scheduler.schedule, engine.sampler.sample
+    so._fill = lambda *a, **kw: log.append(("fill", threading.current_thread().name)) or fill(*a, **kw)
+    engine.scheduler.schedule = lambda *a, **kw: log.append(("schedule", "")) or schedule(*a, **kw)
+    engine.sampler.sample = lambda logits, rows, guide=None, counted=False: \
+        log.append(("sample", "guided" if guide is not None else "")) or sample(logits, rows, guide, counted)
+    outs = llm.generate(prompts, sp)
+    got = [[(c.token_ids, c.finish_reason, c.stop_reason, c.text) for c in o.outputs] for o in outs]
+    assert got == want
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    assert_engine_idle(llm)
+    background = [i for i, (what, thread) in enumerate(log) if what == "fill" and thread.startswith("kvgate-fill")]
+    assert len(background) > 10
+    for i in background:  # each: the next step scheduled, then the guided step sampled with its masks
+        rest = [what for what, _ in log[i + 1:]]
+        assert "schedule" in rest and rest.index("schedule") < rest.index("sample")
+        assert log[i + 1 + rest.index("sample")] == ("sample", "guided")
+
+
 
 def test_refused_with_several_ranks() -> None:
     with pytest.raises(ArgError, match="async_scheduling runs one rank, and tensor_parallel_size x "

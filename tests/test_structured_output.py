@@ -125,15 +125,21 @@ def test_guided_and_unguided_share_steps_and_unguided_is_unchanged(llm: LLM) -> 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_each_of_n_samples_has_its_own_matcher(tiny_llama: str, llm: LLM, asynchronous: bool) -> None:
-    if asynchronous:  # the n samples forked as the prompt's step starts, running ahead of their tokens
-        llm = LLM(tiny_llama, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True)
-    sp = SamplingParams(n=3, temperature=1.2, seed=7, max_tokens=40, structured_outputs=guided(json=PERSON))
-    out = llm.generate("Person:", sp)[0]
-    texts = [c.text for c in out.outputs]
-    for text in texts:
-        jsonschema.validate(parse(text), PERSON)
-    assert len(set(texts)) > 1  # independent samples
-    assert_engine_idle(llm)
+    if asynchronous:  # the n samples forked as the prompt's step starts, running ahead of their tokens (a pool of
+        # its own size: on a GPU the module's engine holds gpu_memory_utilization of it)
+        llm = LLM(tiny_llama, max_num_seqs=64, max_model_len=512, max_num_batched_tokens=128, async_scheduling=True,
+                  num_gpu_blocks_override=64)
+    try:
+        sp = SamplingParams(n=3, temperature=1.2, seed=7, max_tokens=40, structured_outputs=guided(json=PERSON))
+        out = llm.generate("Person:", sp)[0]
+        texts = [c.text for c in out.outputs]
+        for text in texts:
+            jsonschema.validate(parse(text), PERSON)
+        assert len(set(texts)) > 1  # independent samples
+        assert_engine_idle(llm)
+    finally:
+        if asynchronous:
+            llm.engine.shutdown()
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -391,6 +397,47 @@ def test_surrogates_and_overlong_forms_never_reach_the_text(llm: LLM) -> None:
     for out in llm.generate(["item"] * 24, params):
         assert "\ufffd" not in out.outputs[0].text
         jsonschema.validate(parse(out.outputs[0].text), schema)
+
+
+def test_tokens_never_valid_utf8_are_masked_in_every_guided_row(llm: LLM) -> None:
+    """GrammarStep.apply masks the tokens that can never be part of valid UTF-8 (XgrammarBackend.utf8_masks[0]) on
+    the logits' device, beside what the grammar forbids. The tiny tokenizer's grammar refuses its invalid tokens
+    itself, so here some tokens the grammar allows are marked invalid: they must come out -inf."""
+    import torch
+
+    from kvgate.engine.sampling_params import SamplingParams as SP
+    from kvgate.engine.sequence import Request, Sequence
+
+    engine = llm.engine
+    dev = engine.config.device  # (on a GPU: the mask is copied from pinned memory and narrowed there)
+    so = StructuredOutputManager(engine.tokenizer, engine.config.model_config.vocab_size, engine.eos_token_ids,
+                                 dev, max_num_seqs=4)
+    schema = {"type": "object", "properties": {"t": {"type": "string"}}, "required": ["t"]}
+    seqs = []
+    for rid in ("a", "b"):
+        req = Request(rid, None, [5, 6], SP(max_tokens=40, structured_outputs=guided(json=schema)))
+        req.seqs.append(Sequence(req, 0, [5, 6]))
+        if not so.add_request(req):
+            so.wait(30)
+            assert so.take_ready()[0] == [req]
+        seqs.append(req.seqs[0])
+    seqs[1].grammar.matcher.accept_string('{"t":"')  # inside a string: most of the vocabulary is allowed
+    step = so.prepare_step(seqs, [40, 40])
+    vocab = so.vocab_size
+    grammar_allows = [[t for t in range(vocab) if (int(step.bitmask[r, t >> 5]) >> (t & 31)) & 1] for r in (0, 1)]
+    marked = grammar_allows[1][::3]  # a third of the string's tokens
+    valid = so._backend.utf8_masks[0].clone()
+    for t in marked:
+        valid[t >> 5] &= ~(1 << (t & 31)) if t & 31 != 31 else 0x7FFFFFFF
+    so._backend.utf8_masks, so._backend.narrow_utf8 = (valid, so._backend.utf8_masks[1]), True
+    logits = torch.zeros(3, vocab, device=dev)  # row 2: not guided (left alone)
+    step.apply(logits)
+    logits = logits.cpu()
+    for r in (0, 1):
+        assert torch.isfinite(logits[r]).nonzero()[:, 0].tolist() == sorted(set(grammar_allows[r]) - set(marked))
+    assert torch.isfinite(logits[2]).all() and len(grammar_allows[1]) > 100
+    for s in seqs:
+        so.finish(s.request)
 
 
 def test_logprobs_are_the_models_own(llm: LLM) -> None:

@@ -8,12 +8,19 @@
   spec fails at once); a request for a spec being compiled waits for that compilation.
 - Each step that samples a guided sequence, `prepare_step` fills a bitmask (one row per sampled row, CPU; pinned on
   CUDA) and returns a GrammarStep, which the sampler uses to mask the logits on their device (one batched
-  apply_token_bitmask_inplace) and to accept the sampled tokens into the matchers.
+  apply_token_bitmask_inplace) and to accept the sampled tokens into the matchers. The mask of tokens that are
+  never valid UTF-8 is applied to every row there too, on the device: on the host that one `&=` of a [64, 4748]
+  int32 mask took a quarter of an H100 host's step time (torch's threads woke after xgrammar's).
+- With async scheduling the engine asks for the fill in the background: xgrammar's batch fill releases the GIL, so
+  it runs on a thread of its own while the engine loop goes on (outputs, scheduling and building the next step),
+  and the sampler waits for it only when it applies the masks.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable
@@ -30,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars (and refused specs) kept, least recently used dropped first
 MAX_CACHED_BYTES = 512 << 20  # and at most this much of them (a 50-property schema: ~4 MB with a 150k vocabulary)
-BATCH_FILL_MIN_ROWS = 16  # from this many rows a step, masks are filled by xgrammar's threads
+BATCH_FILL_MIN_ROWS = 16  # from this many rows a step, masks are filled by xgrammar's batch call
+# ... on this many threads. xgrammar's "auto" (half the cores) costs more than it saves on rows this cheap: 64 rows of
+# the structured benchmark took 1.24 ms with it on an H100 host's 16 cores, 0.53 ms on 1 thread, 0.40 on 4; on 2
+# cores, 0.13 ms on 1 thread and 0.25 on 2.
+BATCH_FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 INITIAL_IMPROVE_BUDGET = 20000  # tokens tried to shorten a grammar's initial completion (once, on the worker)
 
 
@@ -42,21 +53,32 @@ class GrammarStep:
     remaining: list[int]  # tokens each may still produce, this one included
     bitmask: torch.Tensor  # int32 [>= number of logits rows, ceil(vocab / 32)], CPU; only `rows` are filled
     vocab_size: int
+    manager: "StructuredOutputManager" = field(repr=False)
+    filling: concurrent.futures.Future | None = None  # the bitmask's fill on the manager's filler thread
+
+    def wait_filled(self) -> None:
+        """Wait until `bitmask` is filled (a fill in the background; raises what the fill raised)."""
+        if self.filling is not None:
+            self.filling.result()
+            self.filling = None
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set every token the grammar forbids to -inf in the guided rows of `logits` ([rows, vocab_size]), on
-        logits' device."""
+        logits' device (with the tokens that are never valid UTF-8)."""
         import xgrammar as xgr
 
-        n = logits.shape[0]
+        self.wait_filled()
+        n, dev = logits.shape[0], logits.device
         bitmask = self.bitmask[:n]
-        if logits.device.type != "cpu":  # from a pinned copy: the next step refills the shared buffer, maybe
-            # before this copy ran (async scheduling)
-            staged = torch.empty(bitmask.shape, dtype=bitmask.dtype, pin_memory=True).copy_(bitmask)
-            bitmask = staged.to(logits.device, non_blocking=True)
+        if dev.type != "cpu":  # straight from the pinned buffer: the next fill waits for this copy (manager._copied)
+            bitmask = bitmask.to(dev, non_blocking=True)
+            self.manager.copied_out()
+        valid = self.manager.utf8_valid(dev)
+        if valid is not None:  # every row: a forced token is valid UTF-8, and an unguided row is not masked
+            bitmask &= valid
         indices: Any = None if len(self.rows) == n else self.rows  # (rows are distinct and sorted)
-        if indices is not None and logits.device.type != "cpu":  # pinned: a list would be copied with a wait
-            indices = to_device(indices, torch.int32, logits.device)
+        if indices is not None and dev.type != "cpu":  # pinned: a list would be copied with a wait
+            indices = to_device(indices, torch.int32, dev)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
 
     def accept(self, tokens: list[int]) -> list[int]:
@@ -90,6 +112,10 @@ class StructuredOutputManager:
     _executor: concurrent.futures.ThreadPoolExecutor | None = None
     _backend: Any = None  # XgrammarBackend, built by the worker
     _bitmask: torch.Tensor | None = None
+    _copied: Any = None  # a CUDA event: the last copy of _bitmask to the device has run
+    _filling: concurrent.futures.Future | None = None  # the last fill of _bitmask in the background
+    _filler: concurrent.futures.ThreadPoolExecutor | None = None
+    _valid: dict[torch.device, torch.Tensor | None] = field(default_factory=dict)
     _batch_matcher: Any = None
 
     # ---- requests --------------------------------------------------------------------------------------------------
@@ -213,10 +239,11 @@ class StructuredOutputManager:
 
     # ---- a step ----------------------------------------------------------------------------------------------------
     def prepare_step(self, rows: list[Sequence], remaining: list[int | None],
-                     unguided: AbstractSet[Sequence] = frozenset()) -> GrammarStep | None:
+                     unguided: AbstractSet[Sequence] = frozenset(), background: bool = False) -> GrammarStep | None:
         """The step's GrammarStep for the sampled `rows` (remaining[i]: tokens rows[i] may still produce, None for
-        an unguided row), its bitmask filled; None when no row is guided. Rows in `unguided` are left out (their
-        tokens will not be used)."""
+        an unguided row), its bitmask filled (`background`: being filled on the filler thread, see
+        GrammarStep.wait_filled); None when no row is guided. Rows in `unguided` are left out (their tokens will
+        not be used)."""
         guided = [i for i, seq in enumerate(rows) if seq.grammar is not None and seq not in unguided]
         if not guided:
             return None
@@ -224,40 +251,78 @@ class StructuredOutputManager:
         grammars = [rows[i].grammar for i in guided]
         left = [remaining[i] for i in guided]
         free: list[int] = []
+        matchers: list[Any] = []
+        leads: list[tuple[int, int]] = []
         for i, g, r in zip(guided, grammars, left):
             forced = g.prepare(r)
             if forced is None:
                 free.append(i)
+                matchers.append(g.matcher)
+                if g.pending_lead is not None:
+                    leads.append((i, g.pending_lead))
             else:
                 bitmask[i].zero_()
                 bit = forced & 31
                 bitmask[i, forced >> 5] = (1 << bit) - (1 << 32 if bit == 31 else 0)
-        if free:
-            self._fill(rows, free, bitmask)
-        return GrammarStep(guided, grammars, left, bitmask, self.vocab_size)  # type: ignore[arg-type]
+        step = GrammarStep(guided, grammars, left, bitmask, self.vocab_size, self)  # type: ignore[arg-type]
+        if free and background:
+            step.filling = self._filling = self._fill_in_background(matchers, free, bitmask, leads)
+        elif free:
+            self._fill(matchers, free, bitmask, leads)
+        return step
 
-    def _fill(self, rows: list[Sequence], free: list[int], bitmask: torch.Tensor) -> None:
-        """The grammar's mask in each row of `free`, narrowed to what keeps the output valid UTF-8
-        (XgrammarBackend.utf8_masks)."""
-        if len(free) >= BATCH_FILL_MIN_ROWS:
+    def _fill(self, matchers: list[Any], free: list[int], bitmask: torch.Tensor, leads: list[tuple[int, int]],
+              batch: bool = False) -> None:
+        """The grammar's mask of matchers[j] in row free[j], narrowed in each row of `leads` (row, lead byte) where
+        the output ends with a lead byte whose next byte has a narrower range (XgrammarBackend.utf8_masks; the tokens
+        never valid go in GrammarStep.apply)."""
+        if batch or len(free) >= BATCH_FILL_MIN_ROWS:
             if self._batch_matcher is None:
                 import xgrammar as xgr
 
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask([rows[i].grammar.matcher for i in free], bitmask,
-                                                              free)
+                self._batch_matcher = xgr.BatchGrammarMatcher(BATCH_FILL_THREADS)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, free)
         else:
-            for i in free:
-                rows[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
-        valid, after_lead = self._backend.utf8_masks
-        if self._backend.narrow_utf8:  # every row at once: a forced token is valid UTF-8, an unguided row is unused
-            bitmask[: len(rows)] &= valid
-        for i in free:
-            lead = rows[i].grammar.pending_lead
-            if lead is not None:
-                bitmask[i] &= after_lead[lead]
+            for i, m in zip(free, matchers):
+                m.fill_next_token_bitmask(bitmask, i)
+        after_lead = self._backend.utf8_masks[1]
+        for i, lead in leads:
+            bitmask[i] &= after_lead[lead]
+
+    def _fill_in_background(self, *args: Any) -> concurrent.futures.Future:
+        """_fill on the filler thread, in one batch call: xgrammar releases the GIL while it fills, a loop of row
+        calls would wait for the GIL between rows."""
+        if self._filler is None:
+            self._filler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvgate-fill")
+        started = threading.Event()
+
+        def fill() -> None:
+            started.set()
+            self._fill(*args, batch=True)
+
+        future = self._filler.submit(fill)
+        started.wait()  # handed over: the thread holds the GIL only until the fill starts (else it might wait for
+        # the engine loop's GIL for a whole switch interval, 5 ms)
+        return future
+
+    def copied_out(self) -> None:
+        """GrammarStep.apply queued the copy of the bitmask to the device: the next fill waits until it ran."""
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def utf8_valid(self, device: torch.device) -> torch.Tensor | None:
+        """The row of tokens that can be part of valid UTF-8 on `device`; None when every token can."""
+        if device not in self._valid:
+            self._valid[device] = self._backend.utf8_masks[0].to(device) if self._backend.narrow_utf8 else None
+        return self._valid[device]
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
+        if self._filling is not None:  # (its step was applied, or dropped)
+            concurrent.futures.wait([self._filling])
+            self._filling = None
+        if self._copied is not None:  # (the step's sampled tokens reached the host already, after that copy)
+            self._copied.synchronize()
+            self._copied = None
         if self._bitmask is None or self._bitmask.shape[0] < n:
             width = self._backend.bitmask_width
             rows = max(n, self.max_num_seqs)
