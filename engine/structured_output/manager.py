@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable
 
+import numpy as np
 import torch
 
 from kvgate.engine.sampler import to_device
@@ -253,6 +254,8 @@ class StructuredOutputManager:
         free: list[int] = []
         matchers: list[Any] = []
         leads: list[tuple[int, int]] = []
+        forced_rows: list[int] = []
+        forced_tokens: list[int] = []
         for i, g, r in zip(guided, grammars, left):
             forced = g.prepare(r)
             if forced is None:
@@ -261,9 +264,12 @@ class StructuredOutputManager:
                 if g.pending_lead is not None:
                     leads.append((i, g.pending_lead))
             else:
-                bitmask[i].zero_()
-                bit = forced & 31
-                bitmask[i, forced >> 5] = (1 << bit) - (1 << 32 if bit == 31 else 0)
+                forced_rows.append(i)
+                forced_tokens.append(forced)
+        if forced_rows:  # each such row allows its token alone (numpy: two torch index ops a row cost ~5 us)
+            view, tokens = bitmask.numpy(), np.asarray(forced_tokens, dtype=np.int64)
+            view[forced_rows] = 0
+            view[forced_rows, tokens >> 5] = (np.int64(1) << (tokens & 31)).astype(np.uint32).view(np.int32)
         step = GrammarStep(guided, grammars, left, bitmask, self.vocab_size, self)  # type: ignore[arg-type]
         if free and background:
             step.filling = self._filling = self._fill_in_background(matchers, free, bitmask, leads)
