@@ -59,6 +59,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._seeds = random.Random(seed)  # the fused kernel's noise, a seed per step (unseeded rows)
+        self.fused: bool | None = None  # the fused kernel for plain rows: None = on CUDA (tests: its interpreter)
 
     def sample(self, logits: torch.Tensor, rows: list[Sequence], guide: GrammarStep | None = None,
                counted: bool = False) -> SampledTokens:
@@ -88,15 +89,23 @@ class Sampler:
             self._apply_min_tokens(logits, rows, banned)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         vocab = logits.shape[1]
-        plain = [i for i in sampled if rows[i].generator is None and not 0 < params[i].top_k < vocab
-                 and params[i].top_p >= 1.0 and params[i].min_p <= 0]
+        plain = [i for i in sampled if not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0
+                 and params[i].min_p <= 0]
         if not sampled:
             tokens = logits.argmax(dim=-1)
-        elif plain and dev.type == "cuda":  # one kernel for the plain rows and the greedy ones (kernels/triton_sample)
+        elif plain and (dev.type == "cuda" if self.fused is None else self.fused):
+            # one kernel for the plain rows and the greedy ones (kernels/triton_sample)
+            from kvgate.kernels.triton_sample import row_seed
             from kvgate.kernels.triton_sample import sample as fused_sample
 
             inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, dev)
-            tokens = fused_sample(logits, inv_t, self._seeds.getrandbits(31))
+            step = self._seeds.getrandbits(32)
+            seeds = [(step + i * 0x9E3779B1) & 0xFFFFFFFF for i in range(len(rows))]
+            for i in plain:  # a seeded row's noise: its seed, sample and position (the same in any batch)
+                seq = rows[i]
+                if seq.generator is not None:
+                    seeds[i] = row_seed(params[i].seed, seq.index, seq.num_output_tokens + seq.num_pending - ahead)
+            tokens = fused_sample(logits, inv_t, to_device(seeds, torch.int64, dev))
             rest = sorted(set(sampled) - set(plain))
             if rest:
                 s = to_device(rest, torch.long, dev)

@@ -6,11 +6,13 @@ independent Gumbel(0, 1) noise (the Gumbel-max trick): no softmax, no normalisat
 path runs ~8 kernels over the [rows, vocab] logits (a float copy, the division by T, softmax, the noise, its logs,
 the division and the argmax: ~0.6 ms of a decode step of 193 sequences over Qwen3's 151,936 tokens on an H200);
 this kernel reads them once. A row with temperature 0 takes the plain argmax (the first of equal maxima, as
-torch.argmax). Rows with top-k, top-p, min-p or a seed of their own stay on the torch path.
+torch.argmax). Rows with top-k, top-p or min-p stay on the torch path.
 
-The noise comes from a counter-based hash (lowbias32) of a per-step seed and each element's index: builtins only,
-so that Triton's interpreter runs it too (its own tl.rand is a @triton.jit function, which the interpreter cannot
-call once triton was imported before TRITON_INTERPRET was set; see triton_decode).
+The noise comes from a counter-based hash (lowbias32) of a per-row seed and each token's index: builtins only, so
+that Triton's interpreter runs it too (its own tl.rand is a @triton.jit function, which the interpreter cannot call
+once triton was imported before TRITON_INTERPRET was set; see triton_decode). The sampler derives a seeded
+request's row seed from its seed, its sample index and the token's position (`row_seed`), so its draws do not depend
+on the batch it shares: one kernel for every row, where a torch generator per row took one call a row.
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from kvgate.kernels.triton_decode import row_max
 
 @triton.jit
 def _uniform(seed, idx):
-    """A uniform float in (0, 1) per element of idx (uint32): lowbias32 of idx mixed with the seed."""
-    x = idx ^ (seed.to(tl.uint32) * 0x9E3779B9)
+    """A uniform float in (0, 1) per element of idx (uint32): lowbias32 of idx offset by the seed (two rows' index
+    ranges overlap only where their scrambled seeds lie within a vocabulary of each other)."""
+    x = idx + seed.to(tl.uint32) * 0x9E3779B9
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -34,9 +37,10 @@ def _uniform(seed, idx):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, out_ptr, seed, vocab, BLOCK: tl.constexpr):
+def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)  # 0: greedy
+    seed = tl.load(seed_ptr + row)
     noise = tl.where(inv_t > 0, 1.0, 0.0)  # the Gumbel noise's weight: 0 for a greedy row
     scale = tl.where(inv_t > 0, inv_t, 1.0)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -45,7 +49,7 @@ def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, out_ptr, seed, vocab, B
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
         x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32) * scale
-        u = _uniform(seed, (row * vocab + offs).to(tl.uint32))
+        u = _uniform(seed, offs.to(tl.uint32))
         g = -tl.log(-tl.log(u))  # Gumbel(0, 1)
         x = tl.where(mask, x + noise * g, x)
         better = x > best_val  # strictly: the first of equal values stays
@@ -56,11 +60,25 @@ def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, out_ptr, seed, vocab, B
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int, block: int = 1024) -> torch.Tensor:
-    """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy) -> token ids
-    [rows] int64, drawn from softmax(logits / T) per row. `block`: tokens a program reads at once (a power of 2)."""
+MASK64 = (1 << 64) - 1
+
+
+def row_seed(seed: int, index: int, position: int) -> int:
+    """A seeded request's row seed (32 bits) for the token at `position` of its sample `index`: splitmix64's
+    finalizer over the three combined."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + position * 0x8CB92BA72F3D8DD7) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
+def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds [rows]
+    int64 (32-bit values: each row's noise) -> token ids [rows] int64, drawn from softmax(logits / T) per row.
+    `block`: tokens a program reads at once (a power of 2)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, out, seed, vocab, BLOCK=block, num_warps=4)
+        _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, seeds, out, vocab, BLOCK=block,
+                               num_warps=4)
     return out

@@ -12,7 +12,7 @@ from collections import Counter  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvgate.kernels.triton_sample import sample  # noqa: E402
+from kvgate.kernels.triton_sample import row_seed, sample  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -23,7 +23,7 @@ def test_temperature_zero_is_torch_argmax_ties_included() -> None:
     logits[1, 7] = logits[1, 1300] = logits[1].max() + 1  # a tie across blocks: the first wins
     logits[2, 1499] = 50.0  # the last token
     logits[3, :] = -1.0  # every token tied
-    got = sample(logits, torch.zeros(6), seed=3, block=256)
+    got = sample(logits, torch.zeros(6), torch.full((6,), 3), block=256)
     assert got.tolist() == logits.argmax(dim=-1).tolist() and got[1] == 7 and got[3] == 0
 
 
@@ -36,7 +36,8 @@ def test_draws_follow_softmax_of_logits_over_temperature() -> None:
     logits = base.expand(rows, vocab).contiguous()
     inv_t = torch.full((rows,), 1 / 0.7)
     inv_t[::10] = 0.0  # every tenth row greedy
-    got = sample(logits, inv_t, seed=11, block=16)
+    seeds = torch.tensor([row_seed(11, 0, i) for i in range(rows)])
+    got = sample(logits, inv_t, seeds, block=16)
     assert (got[::10] == base.argmax()).all()
     drawn = [t for i, t in enumerate(got.tolist()) if i % 10]
     counts = Counter(drawn)
@@ -45,5 +46,84 @@ def test_draws_follow_softmax_of_logits_over_temperature() -> None:
     assert tv < 0.05, tv
     assert len(counts) >= 6  # not collapsed onto a few tokens
     some = slice(0, 100)
-    assert sample(logits[some], inv_t[some], seed=11, block=16).tolist() == got[some].tolist()  # the seed decides
-    assert sample(logits[some], inv_t[some], seed=12, block=16).tolist() != got[some].tolist()
+    assert sample(logits[some], inv_t[some], seeds[some], block=16).tolist() == got[some].tolist()  # seeds decide
+    assert sample(logits[some], inv_t[some], seeds[some] + 1, block=16).tolist() != got[some].tolist()
+
+
+def test_a_row_draws_from_its_own_seed_whatever_the_batch() -> None:
+    """A seeded request's token depends on its row seed alone: the same rows in another order, or a row alone, draw
+    the same tokens (the sampler derives the seed from the request's seed, sample index and position)."""
+    torch.manual_seed(2)
+    logits = torch.randn(8, 700)
+    inv_t = torch.full((8,), 1.0)
+    seeds = torch.tensor([row_seed(5, i % 2, 40 + i) for i in range(8)])
+    got = sample(logits, inv_t, seeds, block=256)
+    perm = torch.randperm(8)
+    assert sample(logits[perm], inv_t[perm], seeds[perm], block=256).tolist() == got[perm].tolist()
+    assert sample(logits[3:4], inv_t[3:4], seeds[3:4], block=256).tolist() == got[3:4].tolist()
+    # the same logits in every row with different seeds: not one token everywhere
+    flat = torch.zeros(8, 700)
+    assert len(set(sample(flat, inv_t, seeds, block=256).tolist())) > 4
+
+
+def test_row_seeds_differ_by_seed_sample_and_position() -> None:
+    grid = [(seed, index, pos) for seed in (0, 1, 7, -3, 2**40) for index in range(3) for pos in range(200)]
+    values = [row_seed(*g) for g in grid]
+    assert len(set(values)) == len(values)
+    assert all(0 <= v < 2**32 for v in values)
+    assert row_seed(7, 1, 5) == row_seed(7, 1, 5)
+
+
+def test_seeded_requests_through_the_engine_with_the_kernel(tiny_model_dirs: dict[str, str]) -> None:
+    """The engine's sampler with the kernel (as on CUDA, here through the interpreter): a seeded request's tokens are
+    the same alone or in a batch, and with async scheduling or without, even where a guided row's drawn token was
+    replaced and its position drawn again (the noise follows the position, not a generator's state)."""
+    import json
+
+    import jsonschema
+    from tiny_models import assert_engine_idle, random_prompts
+
+    from kvgate.engine import LLM, SamplingParams
+    from kvgate.engine.structured_output import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"t": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+              "required": ["t"]}
+    guide = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=1.3, seed=i, max_tokens=12 + i % 5, n=1 + i % 2,
+                             structured_outputs=guide if i % 3 else None, ignore_eos=not i % 3) for i in range(9)]
+    prompts = random_prompts(9, seed=6, max_len=20)
+    kw = dict(kv_cache_memory_bytes=1 << 24, max_num_seqs=8, max_num_batched_tokens=64, dtype="float32")
+
+    def run(asynchronous: bool, which: list[int]):
+        llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **kw)
+        llm.engine.sampler.fused = True
+        outs = llm.generate([prompts[i] for i in which], [params[i] for i in which])
+        assert_engine_idle(llm)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.engine.num_rewinds
+
+    # seeded guided rows whose budget-aware finish replaces drawn tokens (with a torch generator per row, the row
+    # drawn again after a rewind took the generator's next noise, and async and sync outputs parted)
+    schema2 = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+               "required": ["a", "b"]}
+    guided = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, min_tokens=6 + i,
+                             structured_outputs=StructuredOutputsParams(json=schema2)) for i in range(6)]
+    prompts2 = random_prompts(6, seed=11, max_len=20)
+    outs = {}
+    for asynchronous in (False, True):
+        llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **kw)
+        llm.engine.sampler.fused = True
+        outs[asynchronous] = [o.outputs[0].token_ids for o in llm.generate(prompts2, guided)]
+        assert_engine_idle(llm)
+    assert outs[True] == outs[False]
+
+    together, _ = run(False, list(range(9)))
+    assert [run(False, [i])[0][0] for i in (0, 4)] == [together[0], together[4]]
+    ahead, rewinds = run(True, list(range(9)))
+    assert ahead == together and rewinds > 0
+    assert len({tuple(t) for t in together[1]}) == 2  # n = 2: two samples of their own
+    llm = LLM(tiny_model_dirs["llama"], **kw)
+    llm.engine.sampler.fused = True
+    for o, p in zip(llm.generate(prompts, params), params):
+        if p.structured_outputs is not None:
+            for c in o.outputs:
+                jsonschema.validate(json.loads(c.text), schema)
