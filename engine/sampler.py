@@ -95,17 +95,19 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         elif plain and (dev.type == "cuda" if self.fused is None else self.fused):
             # one kernel for the plain rows and the greedy ones (kernels/triton_sample)
-            from kvgate.kernels.triton_sample import row_seed
+            from kvgate.kernels.triton_sample import STEP_SEED_STRIDE, row_seed
             from kvgate.kernels.triton_sample import sample as fused_sample
 
             inv_t = to_device([0.0 if p.greedy else 1.0 / p.temperature for p in params], torch.float32, dev)
-            step = self._seeds.getrandbits(32)
-            seeds = [(step + i * 0x9E3779B1) & 0xFFFFFFFF for i in range(len(rows))]
-            for i in plain:  # a seeded row's noise: its seed, sample and position (the same in any batch)
-                seq = rows[i]
-                if seq.generator is not None:
+            noise: torch.Tensor | int = self._seeds.getrandbits(32)
+            own = [i for i in plain if rows[i].generator is not None]
+            if own:  # a seeded row's noise: its seed, sample and position (the same in any batch)
+                seeds = [(noise + i * STEP_SEED_STRIDE) & 0xFFFFFFFF for i in range(len(rows))]
+                for i in own:
+                    seq = rows[i]
                     seeds[i] = row_seed(params[i].seed, seq.index, seq.num_output_tokens + seq.num_pending - ahead)
-            tokens = fused_sample(logits, inv_t, to_device(seeds, torch.int64, dev))
+                noise = to_device(seeds, torch.int64, dev)
+            tokens = fused_sample(logits, inv_t, noise)
             rest = sorted(set(sampled) - set(plain))
             if rest:
                 s = to_device(rest, torch.long, dev)

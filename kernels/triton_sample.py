@@ -23,6 +23,9 @@ import triton.language as tl
 from kvgate.kernels.triton_decode import row_max
 
 
+STEP_SEED_STRIDE: tl.constexpr = 0x9E3779B1  # a step's seed for row r: its seed + r * this (mod 2**32)
+
+
 @triton.jit
 def _uniform(seed, idx):
     """A uniform float in (0, 1) per element of idx (uint32): lowbias32 of idx offset by the seed (two rows' index
@@ -37,10 +40,14 @@ def _uniform(seed, idx):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, step_seed, out_ptr, vocab,
+                   ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     inv_t = tl.load(inv_temp_ptr + row)  # 0: greedy
-    seed = tl.load(seed_ptr + row)
+    if ROW_SEEDS:
+        seed = tl.load(seed_ptr + row)
+    else:
+        seed = step_seed + row * STEP_SEED_STRIDE
     noise = tl.where(inv_t > 0, 1.0, 0.0)  # the Gumbel noise's weight: 0 for a greedy row
     scale = tl.where(inv_t > 0, inv_t, 1.0)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -72,13 +79,16 @@ def row_seed(seed: int, index: int, position: int) -> int:
     return (x ^ (x >> 31)) & 0xFFFFFFFF
 
 
-def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor, block: int = 1024) -> torch.Tensor:
-    """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds [rows]
-    int64 (32-bit values: each row's noise) -> token ids [rows] int64, drawn from softmax(logits / T) per row.
-    `block`: tokens a program reads at once (a power of 2)."""
+def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor | int,
+           block: int = 1024) -> torch.Tensor:
+    """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds: each
+    row's noise, an int64 tensor [rows] of 32-bit values, or one step's seed (row r: seeds + r * STEP_SEED_STRIDE)
+    -> token ids [rows] int64, drawn from softmax(logits / T) per row. `block`: tokens a program reads at once (a
+    power of 2)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, seeds, out, vocab, BLOCK=block,
-                               num_warps=4)
+        row_seeds = isinstance(seeds, torch.Tensor)
+        _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, seeds if row_seeds else out,
+                               0 if row_seeds else seeds, out, vocab, ROW_SEEDS=row_seeds, BLOCK=block, num_warps=4)
     return out

@@ -154,6 +154,7 @@ def test_guided_rows_run_ahead_and_a_replaced_token_is_computed_again(tiny_model
     assert llm.engine.num_rewinds > 0
     assert_engine_idle(llm)
 
+
 def test_guided_masks_are_filled_while_the_next_step_is_scheduled(tiny_model_dirs: dict[str, str]) -> None:
     """A guided step drawn after the step before completed has its masks filled on the manager's filler thread
     (xgrammar releases the GIL), and is sampled only after the engine scheduled and built the next step: the fill
@@ -187,7 +188,6 @@ def test_guided_masks_are_filled_while_the_next_step_is_scheduled(tiny_model_dir
         rest = [what for what, _ in log[i + 1:]]
         assert "schedule" in rest and rest.index("schedule") < rest.index("sample")
         assert log[i + 1 + rest.index("sample")] == ("sample", "guided")
-
 
 
 def test_refused_with_several_ranks() -> None:

@@ -23,7 +23,7 @@ def test_temperature_zero_is_torch_argmax_ties_included() -> None:
     logits[1, 7] = logits[1, 1300] = logits[1].max() + 1  # a tie across blocks: the first wins
     logits[2, 1499] = 50.0  # the last token
     logits[3, :] = -1.0  # every token tied
-    got = sample(logits, torch.zeros(6), torch.full((6,), 3), block=256)
+    got = sample(logits, torch.zeros(6), 3, block=256)
     assert got.tolist() == logits.argmax(dim=-1).tolist() and got[1] == 7 and got[3] == 0
 
 
@@ -94,12 +94,12 @@ def test_seeded_requests_through_the_engine_with_the_kernel(tiny_model_dirs: dic
     prompts = random_prompts(9, seed=6, max_len=20)
     kw = dict(kv_cache_memory_bytes=1 << 24, max_num_seqs=8, max_num_batched_tokens=64, dtype="float32")
 
-    def run(asynchronous: bool, which: list[int]):
+    def run(asynchronous: bool, prompts: list, params: list[SamplingParams]):
         llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **kw)
         llm.engine.sampler.fused = True
-        outs = llm.generate([prompts[i] for i in which], [params[i] for i in which])
+        outs = llm.generate(prompts, params)
         assert_engine_idle(llm)
-        return [[c.token_ids for c in o.outputs] for o in outs], llm.engine.num_rewinds
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.engine.num_rewinds, outs
 
     # seeded guided rows whose budget-aware finish replaces drawn tokens (with a torch generator per row, the row
     # drawn again after a rewind took the generator's next noise, and async and sync outputs parted)
@@ -108,22 +108,14 @@ def test_seeded_requests_through_the_engine_with_the_kernel(tiny_model_dirs: dic
     guided = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, min_tokens=6 + i,
                              structured_outputs=StructuredOutputsParams(json=schema2)) for i in range(6)]
     prompts2 = random_prompts(6, seed=11, max_len=20)
-    outs = {}
-    for asynchronous in (False, True):
-        llm = LLM(tiny_model_dirs["llama"], async_scheduling=asynchronous, **kw)
-        llm.engine.sampler.fused = True
-        outs[asynchronous] = [o.outputs[0].token_ids for o in llm.generate(prompts2, guided)]
-        assert_engine_idle(llm)
-    assert outs[True] == outs[False]
+    assert run(True, prompts2, guided)[0] == run(False, prompts2, guided)[0]
 
-    together, _ = run(False, list(range(9)))
-    assert [run(False, [i])[0][0] for i in (0, 4)] == [together[0], together[4]]
-    ahead, rewinds = run(True, list(range(9)))
+    together, _, outs = run(False, prompts, params)
+    assert [run(False, [prompts[i]], [params[i]])[0][0] for i in (0, 4)] == [together[0], together[4]]
+    ahead, rewinds, _ = run(True, prompts, params)
     assert ahead == together and rewinds > 0
     assert len({tuple(t) for t in together[1]}) == 2  # n = 2: two samples of their own
-    llm = LLM(tiny_model_dirs["llama"], **kw)
-    llm.engine.sampler.fused = True
-    for o, p in zip(llm.generate(prompts, params), params):
+    for o, p in zip(outs, params):
         if p.structured_outputs is not None:
             for c in o.outputs:
                 jsonschema.validate(json.loads(c.text), schema)
