@@ -23,7 +23,8 @@ import triton.language as tl
 from kvgate.kernels.triton_decode import row_max
 
 
-STEP_SEED_STRIDE: tl.constexpr = 0x9E3779B1  # a step's seed for row r: its seed + r * this (mod 2**32)
+STEP_SEED_STRIDE = 0x9E3779B1  # a step's seed for row r: its seed + r * this (mod 2**32)
+_STRIDE = tl.constexpr(STEP_SEED_STRIDE)  # (a kernel reads only globals made constexpr this way)
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, step_seed, ou
     if ROW_SEEDS:
         seed = tl.load(seed_ptr + row)
     else:
-        seed = step_seed + row * STEP_SEED_STRIDE
+        seed = step_seed + row * _STRIDE
     noise = tl.where(inv_t > 0, 1.0, 0.0)  # the Gumbel noise's weight: 0 for a greedy row
     scale = tl.where(inv_t > 0, inv_t, 1.0)
     best_val = tl.full([BLOCK], float("-inf"), tl.float32)
