@@ -147,8 +147,8 @@ def test_guided_rows_run_ahead_and_a_replaced_token_is_computed_again(tiny_model
     # sampled (seeded): valid documents within the budgets
     llm = LLM(tiny_model_dirs["llama"], async_scheduling=True, **KW)
     sampled = [SamplingParams(temperature=1.5, seed=i, max_tokens=24 + i % 9, structured_outputs=guide)
-               for i in range(24)]
-    for o, p in zip(llm.generate(random_prompts(24, seed=3, max_len=20), sampled), sampled):
+               for i in range(48)]  # (24 gave no replaced token with the GPU's sampling kernel: 2-8 of 24 do)
+    for o, p in zip(llm.generate(random_prompts(48, seed=3, max_len=20), sampled), sampled):
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
         assert len(o.outputs[0].token_ids) <= p.max_tokens
     assert llm.engine.num_rewinds > 0

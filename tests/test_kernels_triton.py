@@ -137,7 +137,7 @@ def test_paged_decode_matches_ref(bs: int, group: int, d: int, dtype: torch.dtyp
         lens += [2 * psize, 2 * psize + 1]  # on and just past a partition boundary
     kvh = 2
     p = Paged(lens, bs, kvh, d, dtype, seed=bs + group)
-    q = torch.randn(len(lens), kvh * group, d).to(dtype)
+    q = torch.randn(len(lens), kvh * group, d, generator=torch.Generator().manual_seed(bs + group)).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     out = paged_decode(q, p.k_nan, p.v_nan, p.table, seq_lens, d ** -0.5, max(lens), out=nan_like(q),
                        partition_size=psize)
@@ -156,7 +156,7 @@ def test_decode_default_rule_splits_long_contexts(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(triton_decode, "DECODE_TILE_N", 16)
     lens = [70, 5, 33]
     p = Paged(lens, 16, 1, 64, torch.float32, seed=5)
-    q = torch.randn(3, 4, 64)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(5))
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     assert triton_decode.choose_partitions(3, 1, 70, dev) == (3, 32)  # 4 wanted, 32-token tiles give 3
     out = paged_decode(q, p.k_nan, p.v_nan, p.table, seq_lens, 0.125, out=nan_like(q))
@@ -186,7 +186,7 @@ def test_paged_prefill_matches_ref(bs: int, group: int, d: int, dtype: torch.dty
     starts = [0]
     for _, n in pairs:
         starts.append(starts[-1] + n)
-    q = torch.randn(starts[-1], kvh * group, d).to(dtype)
+    q = torch.randn(starts[-1], kvh * group, d, generator=torch.Generator().manual_seed(len(starts))).to(dtype)
     k_new = torch.cat([k[c:] for k, (c, _) in zip(p.ks, pairs)])  # this step's K/V, also in the cache
     v_new = torch.cat([v[c:] for v, (c, _) in zip(p.vs, pairs)])
     block_m, block_n = tiles or (None, None)
@@ -218,7 +218,7 @@ def test_backend_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
         slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=p.table, num_decodes=3,
         max_query_len=max(new), max_seq_len=max(lens), block_size=bs, query_start_loc_cpu=starts, seq_lens_cpu=lens)
-    q = torch.randn(starts[-1], kvh * group, d).to(dtype)
+    q = torch.randn(starts[-1], kvh * group, d, generator=torch.Generator().manual_seed(len(starts))).to(dtype)
     k_new = torch.cat([k[c:] for k, c in zip(p.ks, cached)])
     v_new = torch.cat([v[c:] for v, c in zip(p.vs, cached)])
     kc, vc = p.k_ref.clone(), p.v_ref.clone()
