@@ -27,6 +27,7 @@ class Block:
     ref_count: int = 0
     hash: bytes | None = None  # set once the block is full and registered in (or known to) the prefix cache
     token_ids: tuple[int, ...] = ()
+    ticket: int | None = None  # loads aside: the offload tier's load batch that writes it
 
 
 class BlockManager:
@@ -118,14 +119,19 @@ class BlockManager:
                     del self.free_queue[bid]
                 block.ref_count += 1
             loading = frozenset(h for h in computed if isinstance(h, bytes))
+            tier = self.offload
             for hit in computed:
                 if isinstance(hit, bytes):  # in the offload tier: a new block, loaded before the next step
                     bid = self._take_free_block(loading)
                     block = self.blocks[bid]
-                    block.hash, block.token_ids = hit, self.offload.token_ids[hit]  # type: ignore[union-attr]
+                    block.hash, block.token_ids = hit, tier.token_ids[hit]  # type: ignore[union-attr]
                     self.cached[hit] = bid
-                    self.offload.load(hit, bid)  # type: ignore[union-attr]
+                    tier.load(hit, bid)  # type: ignore[union-attr]
+                    if tier.loads_aside:  # type: ignore[union-attr]
+                        block.ticket = seq.loading = tier.ticket  # type: ignore[union-attr]
                     hit = bid
+                elif self.blocks[hit].ticket is not None and not tier.loaded(self.blocks[hit].ticket):  # type: ignore
+                    seq.loading = max(seq.loading or 0, self.blocks[hit].ticket)  # shared while still loading
                 seq.block_table.append(hit)
             seq.num_hashed_blocks = len(computed)
             seq.num_computed_tokens = len(computed) * self.block_size
@@ -145,7 +151,7 @@ class BlockManager:
             del self.cached[block.hash]
             if self.offload is not None:
                 self.offload.save(block.hash, block.token_ids, bid, loading)
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.token_ids, block.ref_count, block.ticket = None, (), 1, None
         return bid
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -163,8 +169,22 @@ class BlockManager:
             self.cached.setdefault(block.hash, block.block_id)  # the first copy stays the cached one
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
+    def loaded(self, seq: Sequence) -> bool:
+        """Loads aside: whether the blocks seq waits for are loaded (on rank 0); once they are, its next step waits
+        for them on every rank."""
+        tier = self.offload
+        if not tier.loaded(seq.loading):  # type: ignore[union-attr, arg-type]
+            return False
+        tier.await_loads(seq.loading)  # type: ignore[union-attr, arg-type]
+        seq.loading = None
+        return True
+
     def free(self, seq: Sequence) -> None:
-        """Drop seq's references, tail first, so that a sequence's last blocks are evicted before its first."""
+        """Drop seq's references, tail first, so that a sequence's last blocks are evicted before its first (blocks
+        still being loaded: the next step waits for them before anything may overwrite them)."""
+        if seq.loading is not None:
+            self.offload.await_loads(seq.loading)  # type: ignore[union-attr]
+            seq.loading = None
         if seq.block_table:
             self.freed_seq_ids.append(seq.seq_id)
         for bid in reversed(seq.block_table):

@@ -94,7 +94,8 @@ class LLMEngine:
                 on_disk=self.runner.on_disk if disk is not None else None,
                 fetch_result=disk.poll if disk is not None else None,
                 disk_broken=lambda: disk is not None and disk.broken,
-                confirm_result=store.take_confirmed if disk is not None and ranks > 1 else None)
+                confirm_result=store.take_confirmed if disk is not None and ranks > 1 else None,
+                load_done=store.loaded if store.aside else None)  # CUDA: loads beside the steps
         self.block_manager = BlockManager(self.runner.num_blocks, a.block_size, a.enable_prefix_caching, offload)
         self.step_inputs = StepInputBuilder()  # what the runners were told of each sequence
         # async scheduling (one rank): step N+1 is scheduled and started while the device runs step N, its pending
@@ -285,17 +286,24 @@ class LLMEngine:
                 self.in_flight.append(self._start(out))
                 if len(self.in_flight) < depth:
                     return []  # room for one more step before this one's tokens are needed
-            elif not self.in_flight:
-                if tier is not None and tier.ops:  # reads from disk for requests that wait on them: start them now
+            else:
+                if tier is not None and tier.ops:  # loads or reads from disk for requests that wait on them: now
                     self.executor.apply_offload(tier.take_ops())
+                if self.in_flight:
+                    return self._complete_oldest()
                 wake = self.scheduler.next_wakeup
                 if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
                     time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
                 elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
                     so.wait(0.05)
+                elif tier is not None and tier.loading:  # only loads from the tier: wait for them
+                    tier.loaded(tier.ticket - 1, wait=True)
                 elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
                     time.sleep(0.001)
                 return []
+        return self._complete_oldest()
+
+    def _complete_oldest(self) -> list[EngineOutput]:
         outputs = self._complete(self.in_flight.popleft())
         if self.in_flight and self.in_flight[0].logits is not None:
             # its guided rows' masks / penalties now see the tokens just completed; the masks are filled while the

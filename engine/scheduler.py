@@ -122,6 +122,8 @@ class Scheduler:
         for s in self.running:
             if s.num_pending and (not self.async_scheduling or s.tokens_left(limit) <= s.num_pending):
                 continue  # its next step needs its pending token on the host, or it ends with that token
+            if s.loading is not None and not self.bm.loaded(s):
+                continue  # its prefix blocks are still being loaded from the offload tier: others run
             (decodes if s.num_tokens - s.num_computed_tokens == 1 else chunks).append(s)
         for seq in decodes + chunks:
             if seq.status != SequenceStatus.RUNNING or self._budget <= 0 or seq in exclude:
@@ -226,4 +228,5 @@ class Scheduler:
             self.running.append(seq)
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
-            self._plan(seq, n)
+            if seq.loading is None:  # (else it runs once its blocks are loaded)
+                self._plan(seq, n)

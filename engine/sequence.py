@@ -74,6 +74,7 @@ class Sequence:
         self.num_pending = 0
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks already registered in the prefix cache
+        self.loading: int | None = None  # the offload tier's load batch its blocks wait for (loads aside)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -1,7 +1,8 @@
 """The KV offload tier (engine/kv_offload/): a block's round trip device -> CPU -> device is bit-exact, the
 BlockManager saves what its prefix cache evicts and loads it back on a later hit, block digests are the same in
 every process, and the engine's greedy tokens are the same with and without the tier when the working set is
-many times the device's pool (at TP=1 and TP=2)."""
+many times the device's pool (at TP=1 and TP=2), and a request whose blocks are being loaded waits while the
+others run (loads aside)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvgate.engine import LLM, SamplingParams
 from kvgate.engine.block_manager import BlockManager, block_digest
-from kvgate.engine.kv_offload import LOAD, SAVE, OffloadStore, OffloadTier
+from kvgate.engine.kv_offload import AWAIT, LOAD, MARK, SAVE, OffloadStore, OffloadTier
 from kvgate.engine.memory_monitor import MemoryMonitor
 from kvgate.engine.sampling_params import SamplingParams as SP
 from kvgate.engine.sequence import Request, Sequence
@@ -157,6 +158,91 @@ def test_greedy_tokens_are_the_same_with_the_tier_when_the_working_set_is_4x_the
     (plain, plain_hits, none), (tiered, tier_hits, tier) = results[0], results[0.01]
     assert none is None and tiered == plain
     assert tier.stats.loaded_blocks >= 8 * 11 and tier_hits >= plain_hits + 8 * 11 * 16
+
+
+def _loads_aside_engine(tiny_llama: str, asynchronous: bool):
+    """An engine with the tier whose document's blocks (12) were evicted to it, its loads aside as on CUDA, each
+    step's scheduled requests and offload ops logged. On the CPU the copies are made at once: rank 0 says a load
+    batch is done only once the gate is open (or the engine has nothing else to do and waits for it)."""
+    llm = LLM(tiny_llama, num_gpu_blocks_override=24, max_num_seqs=4, kv_offloading_size=0.01,
+              async_scheduling=asynchronous)
+    engine, sp = llm.engine, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    tier, store, gate = engine.block_manager.offload, engine.runner.offload, {"open": False}
+    tier.load_done = lambda ticket, wait=False: (gate["open"] or wait) and store.loaded(ticket, wait)
+    doc, *others = documents(3, 192)
+    for prompt in [doc + [7, 8, 9], *others]:  # the others evict every block of the document into the tier
+        llm.generate([{"prompt_token_ids": prompt}], sp)
+    steps: list[tuple[list[str], list[tuple]]] = []
+    schedule = engine.scheduler.schedule
+
+    def logged(*a, **kw):
+        out = schedule(*a, **kw)
+        steps.append(([s.request.request_id for s, _ in out.scheduled], list(tier.ops)))
+        return out
+    engine.scheduler.schedule = logged
+    return llm, doc, gate, steps
+
+
+def _step(engine, done: dict[str, list[int]], times: int | None = None) -> None:
+    """Step the engine `times` times (None: until it is idle), keeping the finished requests' tokens."""
+    while engine.has_unfinished_requests() if times is None else (times := times - 1) >= 0:
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_request_whose_blocks_load_waits_while_the_others_run(tiny_llama: str, asynchronous: bool) -> None:
+    """A decodes; B, whose 12-block prefix is in the tier, arrives, and C with the same prefix right after it.
+    B's blocks are loaded as one batch; B and C (which shares B's blocks still being loaded) wait while A's steps
+    run, until rank 0 says the batch is done; their first step waits for that batch (AWAIT), and no step of A's
+    does. The tokens are those of an engine without the tier."""
+    llm, doc, gate, steps = _loads_aside_engine(tiny_llama, asynchronous)
+    engine, done = llm.engine, {}
+    tier = engine.block_manager.offload
+    long_sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = {"A": list(range(20, 40)), "B": doc + [10, 11], "C": doc + [12]}
+    engine.add_request("A", {"prompt_token_ids": prompts["A"]}, long_sp)
+    _step(engine, done, 3)
+    engine.add_request("B", {"prompt_token_ids": prompts["B"]}, sp)
+    engine.add_request("C", {"prompt_token_ids": prompts["C"]}, sp)
+    loaded_before, first = tier.stats.loaded_blocks, len(steps)
+    _step(engine, done, 6)
+    assert [op[0] for op in steps[first][1]].count(LOAD) == 12 and (MARK, 0, b"") not in steps[first][1]
+    for ids, ops in steps[first:]:  # (MARK 0 is added when the step's ops are taken)
+        assert "A" in ids and "B" not in ids and "C" not in ids and not any(op[0] == AWAIT for op in ops)
+    assert tier.loading and {s.loading for s in engine.scheduler.running} == {None, 0}
+    gate["open"] = True
+    _step(engine, done)
+    assert tier.stats.loaded_blocks - loaded_before == 12  # B's prefix, loaded once (C shares it)
+    ids, ops = next((ids, ops) for ids, ops in steps if "B" in ids)
+    assert "C" in ids and (AWAIT, 0, b"") in ops and tier.ticket == 1 and not tier.loading
+    plain = LLM(tiny_llama, num_gpu_blocks_override=24, max_num_seqs=4)
+    want = {rid: plain.generate([{"prompt_token_ids": p}], long_sp if rid == "A" else sp)[0].outputs[0].token_ids
+            for rid, p in prompts.items()}
+    assert done == {rid: list(t) for rid, t in want.items()}
+    assert_engine_idle(llm)
+
+
+def test_a_request_aborted_while_its_blocks_load_leaves_nothing_behind(tiny_llama: str) -> None:
+    """B is aborted while its blocks are being loaded: the next step waits for that load batch before anything may
+    reuse the blocks, C (sharing them) still runs once the batch is done, and every block is free at the end."""
+    llm, doc, gate, steps = _loads_aside_engine(tiny_llama, False)
+    engine, done = llm.engine, {}
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("A", {"prompt_token_ids": list(range(20, 40))}, SamplingParams(max_tokens=8))
+    engine.add_request("B", {"prompt_token_ids": doc + [10, 11]}, sp)
+    engine.add_request("C", {"prompt_token_ids": doc + [12]}, sp)
+    _step(engine, done, 2)
+    assert all(ids == ["A"] for ids, _ in steps)  # B and C wait for their load batch
+    engine.abort_request("B")
+    assert engine.block_manager.offload.ops == [(AWAIT, 0, b"")]  # (MARK 0 went with the first step's ops)
+    gate["open"] = True
+    _step(engine, done)
+    want = LLM(tiny_llama, num_gpu_blocks_override=24).generate([{"prompt_token_ids": doc + [12]}], sp)
+    assert done["C"] == list(want[0].outputs[0].token_ids) and "B" not in done
+    assert_engine_idle(llm)
 
 
 def test_a_second_turn_reports_its_cached_tokens_in_usage_the_tier_keeping_them(tiny_llama: str, tmp_path) -> None:

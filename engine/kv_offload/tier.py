@@ -7,10 +7,13 @@ Two halves, as the blocks themselves:
   eviction policy (engine/kv_offload/policy.py: ARC or LRU), and the copies the ranks must make before the next step:
   SAVE (device block -> slot) when a cached block is about to be reused, LOAD (slot -> device block) for a prefix
   hit in the tier. The copies travel in the step's StepInput, in the order they were decided.
+  With `loads_aside` (on CUDA) the LOADs run beside the steps, on a stream of their own: the blocks a step queues
+  are one load batch (a ticket; MARK records its end on every rank), their request waits, others run, and it runs
+  once rank 0's batch is done (`load_done`); its first step AWAITs the ticket on every rank, so that no step waits for
+  another request's copies. A request that shares a block still being loaded waits for that ticket too.
 - OffloadStore (every rank's ModelRunner): the slots themselves (pinned CPU memory on CUDA), this rank's share of
-  each block (its KV heads, its stage's layers), and the copies, queued on the device's stream before the step's
-  forward: a SAVE reads a block before the step overwrites it, a LOAD writes one before the step reads it, and the
-  host never waits for either.
+  each block (its KV heads, its stage's layers), and the copies, queued before the step's forward: a SAVE reads a
+  block before the step overwrites it, a LOAD writes one before a step reads it, and the host never waits for either.
 
 With a disk tier below (kv_offloading_disk_dir), a block the full CPU tier evicts is SPILLed to a file on every
 rank, and the tier keeps an index of the blocks on disk (its own policy, as big as kv_offloading_disk_size allows,
@@ -28,8 +31,9 @@ from typing import AbstractSet, Callable
 from kvgate.engine.kv_offload.policy import make_policy
 
 # the ops (engine/kv_offload/store.py runs them): (SAVE, device block, slot), (LOAD, device block, slot),
-# (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest), (CONFIRM, slot, block digest)
-SAVE, LOAD, SPILL, FETCH, DELETE, CONFIRM = range(6)
+# (SPILL, slot, block digest), (FETCH, slot, block digest), (DELETE, 0, block digest), (CONFIRM, slot, block digest),
+# (MARK, ticket, b""): the LOADs before it are that ticket's batch; (AWAIT, ticket, b""): the next forward waits for it
+SAVE, LOAD, SPILL, FETCH, DELETE, CONFIRM, MARK, AWAIT = range(8)
 FETCHED_KEPT_S = 60.0  # how long a block read back from disk is kept for the request that asked for it
 
 
@@ -52,8 +56,10 @@ class OffloadTier:
     def __init__(self, num_slots: int, eviction: str = "arc", block_bytes: int = 0, disk_blocks: int = 0,
                  on_disk: list[bytes] | None = None, fetch_result: Callable[[int], bool | None] | None = None,
                  disk_broken: Callable[[], bool] = lambda: False,
-                 confirm_result: Callable[[int], bool | None] | None = None) -> None:
-        """`disk_blocks`: the disk tier's capacity (0: none); `on_disk`: the blocks its files hold already, least
+                 confirm_result: Callable[[int], bool | None] | None = None,
+                 load_done: Callable[[int, bool], bool] | None = None) -> None:
+        """`load_done(ticket, wait)`: with loads aside, whether rank 0 finished that load batch (waiting for it when
+        `wait`); `disk_blocks`: the disk tier's capacity (0: none); `on_disk`: the blocks its files hold already, least
         recently written first; `fetch_result(slot)`: how rank 0's fetch into a slot went (None: still reading);
         `disk_broken()`: rank 0's disk failed a write (no more spills); `confirm_result(slot)`: with several ranks,
         whether every rank's fetch into the slot went well, once a CONFIRM of it ran (None: not yet)."""
@@ -70,6 +76,10 @@ class OffloadTier:
         self.confirming: set[bytes] = set()  # of those, read intact on rank 0, the other ranks asked (CONFIRM)
         self.fetched: dict[bytes, float] = {}  # read back and not loaded yet: kept in its slot (since when)
         self.fetch_result, self.disk_broken, self.confirm_result = fetch_result, disk_broken, confirm_result
+        self.load_done = load_done
+        self.ticket = 0  # the load batch the LOADs queued now belong to
+        self.done_through = -1  # every batch up to this one is known to be loaded on rank 0
+        self._loads_queued = False
         for key in on_disk or []:
             self._to_disk(key)
 
@@ -176,7 +186,41 @@ class OffloadTier:
         self.fetched.pop(key, None)
         self.ops.append((LOAD, block_id, self.slots[key]))
         self.stats.loaded_blocks += 1
+        self._loads_queued = True
+
+    # ---- loads aside --------------------------------------------------------------------------------------------
+    @property
+    def loads_aside(self) -> bool:
+        return self.load_done is not None
+
+    def loaded(self, ticket: int, wait: bool = False) -> bool:
+        """Whether the load batch `ticket` is done on rank 0 (batches end in order)."""
+        if ticket <= self.done_through:
+            return True
+        if ticket >= self.ticket or not self.load_done(ticket, wait):  # type: ignore[misc]
+            return False
+        self.done_through = ticket
+        return True
+
+    def await_loads(self, ticket: int) -> None:
+        """The next forward (on every rank) waits for the load batch `ticket`: a request of it runs, or its blocks
+        are given back (another step may then overwrite or save them)."""
+        if ticket == self.ticket:
+            self._mark()  # (queued this step: marked first)
+        self.ops.append((AWAIT, ticket, b""))
+
+    @property
+    def loading(self) -> bool:
+        """Some marked load batch is not known to be done."""
+        return self.done_through < self.ticket - 1
+
+    def _mark(self) -> None:
+        if self._loads_queued and self.loads_aside:
+            self.ops.append((MARK, self.ticket, b""))
+            self.ticket += 1
+        self._loads_queued = False
 
     def take_ops(self) -> list[tuple]:
+        self._mark()
         ops, self.ops = self.ops, []
         return ops
