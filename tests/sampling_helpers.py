@@ -25,7 +25,7 @@ def _one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: str) -> LLM:
-    return LLM(tiny_llama, kv_cache_memory_bytes=KV_BYTES)
+    return LLM(tiny_llama, kv_cache_memory_bytes=KV_BYTES, dtype="float32")  # (bf16 by default on a GPU)
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_seed_is_reproducible_across_runs_and_batches(llm: LLM, tiny_llama: str)
                          [others[0], others[1], sp, others[2], others[3]])
     assert batch[2].outputs[0].token_ids == alone, "same seed inside a mixed batch"
     torch.manual_seed(987)  # the global RNG state must not matter for a seeded request
-    fresh = LLM(tiny_llama, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False)
+    fresh = LLM(tiny_llama, kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False, dtype="float32")
     assert fresh.generate([prompt], sp)[0].outputs[0].token_ids == alone, "same seed, another engine"
     greedy = llm.generate([prompt], greedy_sp(24))[0].outputs[0].token_ids
     assert alone != greedy, "temperature 1 should not be greedy over 24 tokens"
@@ -79,7 +79,7 @@ def test_seeded_samples_survive_preemption_and_chunked_prefill(llm: LLM, tiny_ll
     sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=40, ignore_eos=True, logprobs=2, n=1 + i % 3,
                           frequency_penalty=0.5) for i in range(6)]
     roomy = llm.generate(prompts, sps)
-    tight = LLM(tiny_llama, num_gpu_blocks_override=12, max_num_batched_tokens=32)
+    tight = LLM(tiny_llama, num_gpu_blocks_override=12, max_num_batched_tokens=32, dtype="float32")
     cramped = tight.generate(prompts, sps)
     assert tight.engine.scheduler.num_preemptions > 0
     for a, b in zip(roomy, cramped):
