@@ -160,12 +160,12 @@ def test_greedy_tokens_are_the_same_with_the_tier_when_the_working_set_is_4x_the
     assert tier.stats.loaded_blocks >= 8 * 11 and tier_hits >= plain_hits + 8 * 11 * 16
 
 
-def _loads_aside_engine(tiny_llama: str, asynchronous: bool):
+def _loads_aside_engine(tiny_llama: str, asynchronous: bool, tp: int = 1):
     """An engine with the tier whose document's blocks (12) were evicted to it, its loads aside as on CUDA, each
     step's scheduled requests and offload ops logged. On the CPU the copies are made at once: rank 0 says a load
     batch is done only once the gate is open (or the engine has nothing else to do and waits for it)."""
     llm = LLM(tiny_llama, num_gpu_blocks_override=24, max_num_seqs=4, kv_offloading_size=0.01,
-              async_scheduling=asynchronous)
+              async_scheduling=asynchronous, tensor_parallel_size=tp)
     engine, sp = llm.engine, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     tier, store, gate = engine.block_manager.offload, engine.runner.offload, {"open": False}
     tier.load_done = lambda ticket, wait=False: (gate["open"] or wait) and store.loaded(ticket, wait)
@@ -191,13 +191,15 @@ def _step(engine, done: dict[str, list[int]], times: int | None = None) -> None:
                 done[out.request_id] = list(out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_request_whose_blocks_load_waits_while_the_others_run(tiny_llama: str, asynchronous: bool) -> None:
+@pytest.mark.parametrize("asynchronous,tp", [(False, 1), (True, 1), (False, 2)])
+def test_a_request_whose_blocks_load_waits_while_the_others_run(tiny_llama: str, asynchronous: bool, tp: int
+                                                                 ) -> None:
     """A decodes; B, whose 12-block prefix is in the tier, arrives, and C with the same prefix right after it.
     B's blocks are loaded as one batch; B and C (which shares B's blocks still being loaded) wait while A's steps
     run, until rank 0 says the batch is done; their first step waits for that batch (AWAIT), and no step of A's
-    does. The tokens are those of an engine without the tier."""
-    llm, doc, gate, steps = _loads_aside_engine(tiny_llama, asynchronous)
+    does. The tokens are those of an engine without the tier (at TP=2 the MARKs and AWAITs reach the other rank's
+    process with the steps)."""
+    llm, doc, gate, steps = _loads_aside_engine(tiny_llama, asynchronous, tp)
     engine, done = llm.engine, {}
     tier = engine.block_manager.offload
     long_sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -218,11 +220,12 @@ def test_a_request_whose_blocks_load_waits_while_the_others_run(tiny_llama: str,
     assert tier.stats.loaded_blocks - loaded_before == 12  # B's prefix, loaded once (C shares it)
     ids, ops = next((ids, ops) for ids, ops in steps if "B" in ids)
     assert "C" in ids and (AWAIT, 0, b"") in ops and tier.ticket == 1 and not tier.loading
+    assert_engine_idle(llm)
+    llm.engine.shutdown()  # (its ranks' group first: the engine below is one of its own)
     plain = LLM(tiny_llama, num_gpu_blocks_override=24, max_num_seqs=4)
     want = {rid: plain.generate([{"prompt_token_ids": p}], long_sp if rid == "A" else sp)[0].outputs[0].token_ids
             for rid, p in prompts.items()}
     assert done == {rid: list(t) for rid, t in want.items()}
-    assert_engine_idle(llm)
 
 
 def test_a_request_aborted_while_its_blocks_load_leaves_nothing_behind(tiny_llama: str) -> None:
