@@ -289,21 +289,17 @@ class LLMEngine:
             else:
                 if tier is not None and tier.ops:  # loads or reads from disk for requests that wait on them: now
                     self.executor.apply_offload(tier.take_ops())
-                if self.in_flight:
-                    return self._complete_oldest()
-                wake = self.scheduler.next_wakeup
-                if wake is not None and self.sleep_when_held:  # prefills are held to batch them: sleep until due
-                    time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
-                elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
-                    so.wait(0.05)
-                elif tier is not None and tier.loading:  # only loads from the tier: wait for them
-                    tier.loaded(tier.ticket - 1, wait=True)
-                elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
-                    time.sleep(0.001)
-                return []
-        return self._complete_oldest()
-
-    def _complete_oldest(self) -> list[EngineOutput]:
+                if not self.in_flight:
+                    wake = self.scheduler.next_wakeup
+                    if wake is not None and self.sleep_when_held:  # prefills held to batch them: sleep until due
+                        time.sleep(max(0.0, min(wake - time.monotonic(), 0.05)))
+                    elif so.waiting and self.sleep_when_held:  # only grammars compiling: wait for one
+                        so.wait(0.05)
+                    elif tier is not None and tier.loading:  # only loads from the tier: wait for them
+                        tier.loaded(tier.ticket - 1, wait=True)
+                    elif tier is not None and tier.fetching:  # only reads from disk: a short nap, not a busy loop
+                        time.sleep(0.001)
+                    return []
         outputs = self._complete(self.in_flight.popleft())
         if self.in_flight and self.in_flight[0].logits is not None:
             # its guided rows' masks / penalties now see the tokens just completed; the masks are filled while the
