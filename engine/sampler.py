@@ -79,22 +79,25 @@ class Sampler:
         ahead = 1 if counted else 0
         banned = [i for i, (s, p) in enumerate(zip(rows, params))
                   if s.num_output_tokens + s.num_pending - ahead < p.min_tokens]
-        if guide is not None or penalized or banned:
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        vocab = logits.shape[1]
+        plain = [i for i in sampled if not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0
+                 and params[i].min_p <= 0]
+        kernel = dev.type == "cuda" if self.fused is None else self.fused  # the fused kernel (kernels/triton_sample)
+        # the kernel draws every row and masks the guided ones as it reads them (min_tokens' guided check needs
+        # the masked logits first); the mask commutes with the penalties (a forbidden token stays -inf)
+        mask_in_kernel = guide is not None and kernel and len(plain) == len(sampled) and not banned
+        if (guide is not None and not mask_in_kernel) or penalized or banned:
             logits = logits.clone()
-        if guide is not None:
+        if guide is not None and not mask_in_kernel:
             guide.apply(logits)
         if penalized:
             self._apply_penalties(logits, rows, penalized)
         if banned:
             self._apply_min_tokens(logits, rows, banned)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        vocab = logits.shape[1]
-        plain = [i for i in sampled if not 0 < params[i].top_k < vocab and params[i].top_p >= 1.0
-                 and params[i].min_p <= 0]
-        if not sampled:
+        if not sampled and not mask_in_kernel:
             tokens = logits.argmax(dim=-1)
-        elif plain and (dev.type == "cuda" if self.fused is None else self.fused):
-            # one kernel for the plain rows and the greedy ones (kernels/triton_sample)
+        elif kernel and (plain or mask_in_kernel):  # one kernel for the plain rows and the greedy ones
             from kvgate.kernels.triton_sample import STEP_SEED_STRIDE, row_seed
             from kvgate.kernels.triton_sample import sample as fused_sample
 
@@ -107,7 +110,12 @@ class Sampler:
                     seq = rows[i]
                     seeds[i] = row_seed(params[i].seed, seq.index, seq.num_output_tokens + seq.num_pending - ahead)
                 noise = to_device(seeds, torch.int64, dev)
-            tokens = fused_sample(logits, inv_t, noise)
+            if mask_in_kernel:
+                bitmask, valid = guide.on_device(len(rows), dev)  # type: ignore[union-attr]
+                tokens = fused_sample(logits, inv_t, noise, bitmask, guide.mask_rows(len(rows), dev),  # type: ignore
+                                      valid)
+            else:
+                tokens = fused_sample(logits, inv_t, noise)
             rest = sorted(set(sampled) - set(plain))
             if rest:
                 s = to_device(rest, torch.long, dev)

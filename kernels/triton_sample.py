@@ -8,6 +8,11 @@ the division and the argmax: ~0.6 ms of a decode step of 193 sequences over Qwen
 this kernel reads them once. A row with temperature 0 takes the plain argmax (the first of equal maxima, as
 torch.argmax). Rows with top-k, top-p or min-p stay on the torch path.
 
+Guided rows: the kernel also takes the step's grammar bitmask (xgrammar's layout: int32 words, bit j of word w
+allows token 32 w + j) and masks each guided row's tokens as it reads them (the twin: xgrammar's
+apply_token_bitmask_inplace, then the torch path). That saves a copy of the logits and two passes over them, and the
+launch of xgrammar's kernel, on the path every guided step waits for.
+
 The noise comes from a counter-based hash (lowbias32) of a per-row seed and each token's index: builtins only, so
 that Triton's interpreter runs it too (its own tl.rand is a @triton.jit function, which the interpreter cannot call
 once triton was imported before TRITON_INTERPRET was set; see triton_decode). The sampler derives a seeded
@@ -42,8 +47,13 @@ def _uniform(seed, idx):
 
 @triton.jit
 def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, step_seed, out_ptr, vocab,
-                   ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr):
+                   mask_ptr, mask_stride, mask_rows_ptr, valid_ptr,
+                   ROW_SEEDS: tl.constexpr, MASK: tl.constexpr, MASK_ROWS: tl.constexpr, VALID: tl.constexpr,
+                   BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    mrow = row
+    if MASK_ROWS:
+        mrow = tl.load(mask_rows_ptr + row).to(tl.int64)  # < 0: the row is not masked
     inv_t = tl.load(inv_temp_ptr + row)  # 0: greedy
     if ROW_SEEDS:
         seed = tl.load(seed_ptr + row)
@@ -57,6 +67,12 @@ def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, step_seed, ou
         offs = start + tl.arange(0, BLOCK)
         mask = offs < vocab
         x = tl.load(logits_ptr + row * stride_row + offs, mask=mask, other=float("-inf")).to(tl.float32) * scale
+        if MASK:
+            if mrow >= 0:
+                word = tl.load(mask_ptr + mrow * mask_stride + (offs >> 5), mask=mask, other=0)
+                if VALID:
+                    word = word & tl.load(valid_ptr + (offs >> 5), mask=mask, other=0)
+                x = tl.where(((word >> (offs & 31)) & 1) != 0, x, float("-inf"))
         u = _uniform(seed, offs.to(tl.uint32))
         g = -tl.log(-tl.log(u))  # Gumbel(0, 1)
         x = tl.where(mask, x + noise * g, x)
@@ -81,15 +97,25 @@ def row_seed(seed: int, index: int, position: int) -> int:
 
 
 def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor | int,
-           block: int = 1024) -> torch.Tensor:
+           bitmask: torch.Tensor | None = None, mask_rows: torch.Tensor | None = None,
+           valid: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds: each
     row's noise, an int64 tensor [rows] of 32-bit values, or one step's seed (row r: seeds + r * STEP_SEED_STRIDE)
     -> token ids [rows] int64, drawn from softmax(logits / T) per row. `block`: tokens a program reads at once (a
-    power of 2)."""
+    power of 2).
+
+    `bitmask` (int32 [>= rows, ceil(vocab / 32)], last dim contiguous): only the tokens whose bit is set may be
+    drawn; logits row r reads bitmask row `mask_rows[r]` (int32 [rows]; < 0: r is not masked), or row r where
+    mask_rows is None. `valid` (int32 [ceil(vocab / 32)]) is and-ed into every masked row."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         row_seeds = isinstance(seeds, torch.Tensor)
+        masked = bitmask is not None
         _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, seeds if row_seeds else out,
-                               0 if row_seeds else seeds, out, vocab, ROW_SEEDS=row_seeds, BLOCK=block, num_warps=4)
+                               0 if row_seeds else seeds, out, vocab,
+                               bitmask if masked else out, bitmask.stride(0) if masked else 0,
+                               mask_rows if mask_rows is not None else out, valid if valid is not None else out,
+                               ROW_SEEDS=row_seeds, MASK=masked, MASK_ROWS=masked and mask_rows is not None,
+                               VALID=masked and valid is not None, BLOCK=block, num_warps=4)
     return out

@@ -119,3 +119,89 @@ def test_seeded_requests_through_the_engine_with_the_kernel(tiny_model_dirs: dic
         if p.structured_outputs is not None:
             for c in o.outputs:
                 jsonschema.validate(json.loads(c.text), schema)
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [rows, vocab] -> xgrammar's int32 bitmask rows (bit j of word w: token 32 w + j)."""
+    rows, vocab = allowed.shape
+    words = (vocab + 31) // 32
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def test_the_grammar_mask_in_the_kernel_is_xgrammars_then_the_kernel() -> None:
+    """Guided rows: the kernel masking as it reads equals xgrammar's apply_token_bitmask_inplace followed by the plain
+    kernel, token for token (greedy and sampled rows, some rows unmasked, the UTF-8 row and-ed in); no draw takes a
+    token the mask forbids."""
+    import xgrammar as xgr
+
+    torch.manual_seed(3)
+    rows, vocab = 6, 1000  # not a multiple of 32: the last word is partial
+    logits = torch.randn(rows, vocab) * 3
+    allowed = torch.rand(rows, vocab) < 0.05
+    allowed[2] = False
+    allowed[2, 999] = True  # one token only, in the partial last word
+    allowed[4, 31] = allowed[4, 32] = True  # a sign bit (word 0, bit 31)
+    valid = torch.ones(vocab, dtype=torch.bool)
+    valid[::7] = False
+    valid[999] = valid[31] = valid[32] = True
+    bitmask, valid_row = _bitmask(allowed), _bitmask(valid[None])[0]
+    inv_t = torch.tensor([0.0, 1.0, 0.5, 0.0, 2.0, 1.0])
+    mask_rows = torch.tensor([0, 1, 2, -1, 4, 5], dtype=torch.int32)  # row 3 is not guided
+    seeds = torch.tensor([row_seed(9, 0, i) for i in range(rows)])
+
+    got = sample(logits, inv_t, seeds, bitmask=bitmask, mask_rows=mask_rows, valid=valid_row, block=256)
+    twin = logits.clone()
+    xgr.apply_token_bitmask_inplace(twin, bitmask & valid_row, vocab_size=vocab, indices=[0, 1, 2, 4, 5])
+    assert got.tolist() == sample(twin, inv_t, seeds, block=256).tolist()
+    ok = allowed & valid
+    assert all(bool(ok[r, t]) for r, t in enumerate(got.tolist()) if r != 3)
+    assert got[2] == 999 and got[3] == logits[3].argmax()
+    # every row masked (mask_rows None: row r reads bitmask row r), no UTF-8 row
+    all_rows = sample(logits, inv_t, seeds, bitmask=bitmask, block=256)
+    twin = logits.clone()
+    xgr.apply_token_bitmask_inplace(twin, bitmask, vocab_size=vocab)
+    assert all_rows.tolist() == sample(twin, inv_t, seeds, block=256).tolist()
+    assert all(bool(allowed[r, t]) for r, t in enumerate(all_rows.tolist()))
+
+
+def test_guided_rows_masked_in_the_kernel_through_the_engine(tiny_model_dirs: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's guided steps with the kernel masking as it reads (GrammarStep.apply, the torch path's mask, is
+    never called): greedy guided rows give the torch path's tokens, sampled ones schema-valid documents, mixed with
+    unguided rows (mask_rows) and with penalties (the mask after them)."""
+    import json
+
+    import jsonschema
+    from tiny_models import assert_engine_idle, random_prompts
+
+    from kvgate.engine import LLM, SamplingParams
+    from kvgate.engine.structured_output import StructuredOutputsParams
+    from kvgate.engine.structured_output.manager import GrammarStep
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 90},
+                                               "t": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["n", "t"]}
+    guide = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.2, seed=i, max_tokens=30, ignore_eos=i % 4 == 3,
+                             structured_outputs=guide if i % 4 != 3 else None,
+                             frequency_penalty=0.5 if i % 3 == 0 else 0.0) for i in range(12)]
+    prompts = random_prompts(12, seed=4, max_len=20)
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory_bytes=1 << 24, max_num_seqs=16, dtype="float32")
+    applied = []
+    apply = GrammarStep.apply
+    monkeypatch.setattr(GrammarStep, "apply", lambda self, logits: applied.append(1) or apply(self, logits))
+    torch_path = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert applied
+    applied.clear()
+    llm.engine.sampler.fused = True
+    kernel_path = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert not applied
+    assert_engine_idle(llm)
+    for i, (a, b) in enumerate(zip(torch_path, kernel_path)):
+        if params[i].structured_outputs is not None:
+            jsonschema.validate(json.loads(b.text), schema)
+        if params[i].temperature == 0.0:
+            assert a.token_ids == b.token_ids, i

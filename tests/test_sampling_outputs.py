@@ -2,8 +2,13 @@
 transformers' logits), logprobs, n samples, output kinds and abort."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # the kernel's path runs in Triton's interpreter here (set before its first import)
+    os.environ["TRITON_INTERPRET"] = "1"
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
 from sampling_helpers import PROMPT, PROMPTS, greedy_sp, hf_first_logits, hf_penalized_greedy, hf_step_logits, run_engine, token_ids
 from tiny_models import assert_engine_idle, assert_greedy_close, hf_greedy_with_logits, random_prompts

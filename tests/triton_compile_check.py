@@ -96,6 +96,11 @@ def launches() -> None:
     logits = torch.zeros(4, 1000)
     triton_sample.sample(logits, torch.ones(4), 0xDEADBEEF)
     triton_sample.sample(logits, torch.ones(4), torch.tensor([1, 2, 3, 4]))
+    words = (logits.shape[1] + 31) // 32  # guided rows: the grammar's bitmask, for every row or some, with UTF-8's
+    bitmask = torch.zeros(4, words, dtype=torch.int32)
+    triton_sample.sample(logits, torch.ones(4), 7, bitmask=bitmask)
+    triton_sample.sample(logits, torch.ones(4), 7, bitmask=bitmask, mask_rows=torch.tensor([0, -1, 2, -1],
+                         dtype=torch.int32), valid=torch.zeros(words, dtype=torch.int32))
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ class XgrammarBackend:
     info: Any = field(init=False)
     compiler: Any = field(init=False)
     alphabet: list[int] = field(init=False)  # single-character token ids in CLOSERS_FIRST order
+    stop_set: frozenset[int] = field(init=False)
     decoded_vocab: list[bytes] = field(init=False)  # each token's bytes as the grammar sees them (b"": special)
     bitmask_width: int = field(init=False)
     utf8_masks: tuple[Any, dict[int, Any]] = field(init=False)  # see _utf8_masks
@@ -62,6 +63,7 @@ class XgrammarBackend:
         # kvgate caches compiled grammars itself (StructuredOutputManager): xgrammar's own cache would hold a copy
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=self.compile_threads, cache_enabled=False)
         self.stop_token_ids = list(self.info.stop_token_ids)  # as xgrammar resolved them
+        self.stop_set = frozenset(self.stop_token_ids)
         self.decoded_vocab = list(self.info.decoded_vocab)  # (the property converts the whole vocabulary each call)
         self.alphabet = single_char_tokens(self.decoded_vocab, set(self.info.special_token_ids)
                                            | set(self.stop_token_ids))

@@ -67,24 +67,25 @@ class SequenceGrammar:
 
     def accept(self, token: int, remaining: int) -> int:
         """Take the sampled token (`remaining` as given to prepare); returns the token kept: the sampled one, or the
-        plan's next (or a stop token) where the sampled one would leave no completion within the budget."""
-        prev, prev_text, prev_ok = self.plan, self.plan_text, self.verified and not self.budget_lost
+        plan's next (or a stop token) where the sampled one would leave no completion within the budget. (The common
+        cases, the plan's own token and a token far from the budget's end, cost a few attribute reads: this runs for
+        every guided row of every step, on the engine thread.)"""
+        m, prev, prev_text = self.matcher, self.plan, self.plan_text
         utf8 = self.utf8_need, self.utf8_lead
-        if not self.matcher.accept_token(token):
+        if not m.accept_token(token):
             raise RuntimeError(f"guided decoding: the grammar refused token {token}, which its mask allowed")
-        self._track(token)
-        if token in self.backend.stop_token_ids and self.matcher.is_terminated():  # where the grammar may end
+        text = self._track(token)
+        if token in self.backend.stop_set and m.is_terminated():  # where the grammar may end
             self.finished = True
             return token
-        left = remaining - 1
-        text = self.backend.decoded_vocab[token]
         if prev and token == prev[0]:
             self.plan, self.plan_text = prev[1:], prev_text[len(text):]
-        elif prev and text and prev_text.startswith(text) and self._follow(prev, prev_text, len(text), left):
+        elif prev and text and prev_text.startswith(text) and self._follow(prev, prev_text, len(text), remaining - 1):
             pass  # the plan's own text, in other tokens: the rest of it still completes the document, in time
         elif not self.budget_lost:
-            self.verified = False
+            prev_ok, self.verified = self.verified, False
             self.countdown -= 1
+            left = remaining - 1
             zone = self._slack(left) <= ZONE_MARGIN
             if zone or self.countdown <= 0:
                 if self._verify(left):
@@ -94,7 +95,7 @@ class SequenceGrammar:
                     token = self._take_plan_instead(prev, prev_text)  # type: ignore[arg-type]
                 elif zone:
                     self.budget_lost = True
-        if (self.forced and self.plan == []) or (self.matcher.is_completed() and not self._can_continue()):
+        if (self.forced and not self.plan) or (m.is_completed() and not self._can_continue()):
             self.finished = True
         return token
 
@@ -194,13 +195,15 @@ class SequenceGrammar:
         return bool(torch.any(row != 0))
 
     # ---- UTF-8: a character cut between tokens ---------------------------------------------------------------------
-    def _track(self, token: int) -> None:
-        """Note the token just accepted, and whether the output now ends inside a multi-byte character."""
+    def _track(self, token: int) -> bytes:
+        """Note the token just accepted, and whether the output now ends inside a multi-byte character; returns the
+        token's text."""
         self.last_token = token
         text = self.backend.decoded_vocab[token]
         if text.isascii():
-            self.utf8_need, self.utf8_lead = 0, None
-            return
+            self.utf8_need = 0
+            self.utf8_lead = None
+            return text
         for b in text:
             if self.utf8_need and 0x80 <= b < 0xC0:
                 self.utf8_need, self.utf8_lead = self.utf8_need - 1, None
@@ -208,6 +211,7 @@ class SequenceGrammar:
                 self.utf8_need, self.utf8_lead = (1 if b < 0xE0 else 2 if b < 0xF0 else 3), b
             else:
                 self.utf8_need, self.utf8_lead = 0, None
+        return text
 
     @property
     def pending_lead(self) -> int | None:

@@ -63,18 +63,33 @@ class GrammarStep:
             self.filling.result()
             self.filling = None
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set every token the grammar forbids to -inf in the guided rows of `logits` ([rows, vocab_size]), on
-        logits' device (with the tokens that are never valid UTF-8)."""
-        import xgrammar as xgr
-
+    def on_device(self, n: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bitmask's first n rows on `dev` (straight from the pinned buffer: the next fill waits for this copy,
+        manager._copied) and the row of tokens that can be part of valid UTF-8 there (None: every token can)."""
         self.wait_filled()
-        n, dev = logits.shape[0], logits.device
         bitmask = self.bitmask[:n]
-        if dev.type != "cpu":  # straight from the pinned buffer: the next fill waits for this copy (manager._copied)
+        if dev.type != "cpu":
             bitmask = bitmask.to(dev, non_blocking=True)
             self.manager.copied_out()
-        valid = self.manager.utf8_valid(dev)
+        return bitmask, self.manager.utf8_valid(dev)
+
+    def mask_rows(self, n: int, dev: torch.device) -> torch.Tensor | None:
+        """For the sampling kernel: each of the n logits rows' bitmask row (-1: not guided); None when all are."""
+        if len(self.rows) == n:
+            return None
+        rows = [-1] * n
+        for r in self.rows:
+            rows[r] = r
+        return to_device(rows, torch.int32, dev)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set every token the grammar forbids to -inf in the guided rows of `logits` ([rows, vocab_size]), on
+        logits' device (with the tokens that are never valid UTF-8). (The sampling kernel masks as it reads instead,
+        where it draws every row: Sampler.sample.)"""
+        import xgrammar as xgr
+
+        n, dev = logits.shape[0], logits.device
+        bitmask, valid = self.on_device(n, dev)
         if valid is not None:  # every row: a forced token is valid UTF-8, and an unguided row is not masked
             bitmask &= valid
         indices: Any = None if len(self.rows) == n else self.rows  # (rows are distinct and sorted)
