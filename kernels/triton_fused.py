@@ -19,7 +19,7 @@ import triton.language as tl
 from kvgate.kernels.triton_decode import row_sum  # builtins only: see triton_decode's note on the interpreter
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a step's token count: no new compile mid-run when it is 1 or 16k
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_xr, stride_xg, stride_rr, stride_or,
                      stride_og, num_rows, groups, dim, eps, HAS_RES: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):

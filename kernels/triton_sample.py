@@ -45,7 +45,7 @@ def _uniform(seed, idx):
     return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["step_seed"])  # a random value each step: one compiled kernel for all of them
 def _sample_kernel(logits_ptr, stride_row, inv_temp_ptr, seed_ptr, step_seed, out_ptr, vocab,
                    mask_ptr, mask_stride, mask_rows_ptr, valid_ptr,
                    ROW_SEEDS: tl.constexpr, MASK: tl.constexpr, MASK_ROWS: tl.constexpr, VALID: tl.constexpr,
@@ -101,7 +101,8 @@ def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Ten
            valid: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds: each
     row's noise, an int64 tensor [rows] of 32-bit values, or one step's seed (row r: seeds + r * STEP_SEED_STRIDE)
-    -> token ids [rows] int64, drawn from softmax(logits / T) per row. `block`: tokens a program reads at once (a
+    -> token ids [rows] int64, drawn from softmax(logits / T) per row (a step's seed counts by its low 31 bits: an
+    argument Triton types by its value must keep one type, or each new one compiles the kernel again mid-run). `block`: tokens a program reads at once (a
     power of 2).
 
     `bitmask` (int32 [>= rows, ceil(vocab / 32)], last dim contiguous): only the tokens whose bit is set may be
@@ -113,7 +114,7 @@ def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Ten
         row_seeds = isinstance(seeds, torch.Tensor)
         masked = bitmask is not None
         _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, seeds if row_seeds else out,
-                               0 if row_seeds else seeds, out, vocab,
+                               0 if row_seeds else seeds & 0x7FFFFFFF, out, vocab,  # (an int32 argument always)
                                bitmask if masked else out, bitmask.stride(0) if masked else 0,
                                mask_rows if mask_rows is not None else out, valid if valid is not None else out,
                                ROW_SEEDS=row_seeds, MASK=masked, MASK_ROWS=masked and mask_rows is not None,

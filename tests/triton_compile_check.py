@@ -22,7 +22,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.backends.compiler import BaseBackend  # noqa: E402
+from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
          torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
@@ -47,13 +48,22 @@ def compile_instead(target: GPUTarget, seen: dict[tuple, str]):
         options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
-        signature, constexprs = {}, {}
+        signature, constexprs, attrs = {}, {}, {}
         for param, (name, value) in zip(self.params, bound.arguments.items()):
             if param.is_constexpr or value is None:
                 signature[name], constexprs[name] = "constexpr", value
+            elif isinstance(value, int) and not isinstance(value, bool):  # as Triton keys a launch: its type by
+                # value, 1 as a constant, multiples of 16 apart (unless the kernel says do_not_specialize)
+                kind, attrs[name] = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
+                                                           True)
+                if kind == "constexpr":
+                    signature[name], constexprs[name] = "constexpr", value
+                else:
+                    signature[name] = kind
             else:
                 signature[name] = _type(value)
-        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(options.items()))
+        key = (self.fn.__name__, tuple(signature.items()), tuple(constexprs.items()), tuple(attrs.items()),
+               tuple(options.items()))
         if key not in seen:
             kernel = triton.compile(ASTSource(self, signature, constexprs=constexprs), target=target,
                                     options=options)
@@ -94,7 +104,8 @@ def launches() -> None:
         triton_fused.rotary(torch.arange(6), qr, kr, cos, cos)
         triton_fused.silu_and_mul(torch.zeros(6, 2 * 384, dtype=dtype))
     logits = torch.zeros(4, 1000)
-    triton_sample.sample(logits, torch.ones(4), 0xDEADBEEF)
+    for step_seed in (0xDEADBEEF, 5, 16, 1):  # the sampler's random step seeds: one configuration for all
+        triton_sample.sample(logits, torch.ones(4), step_seed)
     triton_sample.sample(logits, torch.ones(4), torch.tensor([1, 2, 3, 4]))
     words = (logits.shape[1] + 31) // 32  # guided rows: the grammar's bitmask, for every row or some, with UTF-8's
     bitmask = torch.zeros(4, words, dtype=torch.int32)
