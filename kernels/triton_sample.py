@@ -101,9 +101,9 @@ def sample(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Ten
            valid: torch.Tensor | None = None, block: int = 1024) -> torch.Tensor:
     """logits [rows, vocab] (last dim contiguous), inv_temperature [rows] float32 (1 / T; 0: greedy), seeds: each
     row's noise, an int64 tensor [rows] of 32-bit values, or one step's seed (row r: seeds + r * STEP_SEED_STRIDE)
-    -> token ids [rows] int64, drawn from softmax(logits / T) per row (a step's seed counts by its low 31 bits: an
-    argument Triton types by its value must keep one type, or each new one compiles the kernel again mid-run). `block`: tokens a program reads at once (a
-    power of 2).
+    -> token ids [rows] int64, drawn from softmax(logits / T) per row. A step's seed counts by its low 31 bits: an
+    argument that Triton types by its value must keep one type, or each new one compiles the kernel again mid-run.
+    `block`: tokens a program reads at once (a power of 2).
 
     `bitmask` (int32 [>= rows, ceil(vocab / 32)], last dim contiguous): only the tokens whose bit is set may be
     drawn; logits row r reads bitmask row `mask_rows[r]` (int32 [rows]; < 0: r is not masked), or row r where
