@@ -122,13 +122,12 @@ def test_seeded_requests_through_the_engine_with_the_kernel(tiny_model_dirs: dic
 
 
 def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
-    """bool [rows, vocab] -> xgrammar's int32 bitmask rows (bit j of word w: token 32 w + j)."""
-    rows, vocab = allowed.shape
-    words = (vocab + 31) // 32
-    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
-    bits[:, :vocab] = allowed.long()
-    packed = (bits.view(rows, words, 32) << torch.arange(32)).sum(dim=-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    """bool [rows, vocab] -> xgrammar's int32 bitmask rows, packed as the backend packs its UTF-8 rows."""
+    from kvgate.engine.structured_output.backend import _pack
+
+    padded = torch.zeros(allowed.shape[0], -(-allowed.shape[1] // 32) * 32, dtype=torch.bool)
+    padded[:, :allowed.shape[1]] = allowed
+    return torch.stack([_pack(row.numpy()) for row in padded])
 
 
 def test_the_grammar_mask_in_the_kernel_is_xgrammars_then_the_kernel() -> None:

@@ -20,9 +20,8 @@ assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "run with Triton's 
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction, native_specialize_impl  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
@@ -35,8 +34,6 @@ def _type(value: object) -> str:
         return "*" + TYPES[value.dtype]
     if isinstance(value, bool):
         return "i1"
-    if isinstance(value, int):
-        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no Triton type for {value!r}")
@@ -75,7 +72,7 @@ def compile_instead(target: GPUTarget, seen: dict[tuple, str]):
 def launches() -> None:
     """The wrappers, called as the engine calls them: bf16 and fp32 caches (fp16 takes bf16's paths), GQA groups,
     head dims 128 and 80 (padded), decode with and without split-K, prefill, the KV store, the fused small ops and
-    the sampling kernel (a step's seed is a 32-bit value, an int64 argument)."""
+    the sampling kernel (a step's seed is any 32-bit value; the kernel takes its low 31 bits as one int32 argument)."""
     from kvgate.kernels import triton_decode, triton_fused, triton_prefill, triton_sample, triton_store
 
     for dtype in (torch.bfloat16, torch.float32):
