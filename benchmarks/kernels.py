@@ -234,12 +234,51 @@ def bench_prefill(h: int, kvh: int, d: int, dtype: torch.dtype, lengths: list[in
     return rows
 
 
+def sweep_prefill(h: int, kvh: int, d: int, dtype: torch.dtype, lengths: list[int], block_size: int) -> list[dict]:
+    """Tuning aid: prefill time for (BLOCK_M, BLOCK_N, warps, stages) configs, one causal sequence of N tokens."""
+    from kvgate.kernels import triton_prefill
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    default_config = triton_prefill.prefill_config
+    configs = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+               (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4)]
+    for n in lengths:
+        q = torch.randn((n, h, d), dtype=dtype, device="cuda", generator=gen)
+        k = torch.randn((n, kvh, d), dtype=dtype, device="cuda", generator=gen)
+        v = torch.randn_like(k)
+        k_cache, v_cache, table = paged_cache([n], block_size, kvh, d, dtype, gen)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+        sl = torch.tensor([n], dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        tflop = 2 * n * n * h * d / 1e12
+        row: dict = {"tokens": n}
+        best = (float("inf"), "")
+        for cfg in configs:
+            triton_prefill.prefill_config = lambda hd, dt, cfg=cfg: cfg
+            try:
+                ms = bench(lambda: paged_prefill(q, k, v, k_cache, v_cache, table, qsl, sl, n, d ** -0.5, out))
+            except Exception as e:  # noqa: BLE001 (out of shared memory: the config does not fit)
+                print(f"# {cfg}: {str(e).splitlines()[0][:80]}", flush=True)
+                continue
+            finally:
+                triton_prefill.prefill_config = default_config
+            row["x".join(map(str, cfg))] = round(tflop / ms * 1e3, 1)
+            if ms < best[0]:
+                best = (ms, "x".join(map(str, cfg)))
+        row["best (M x N x warps x stages)"] = best[1]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="compare each kernel with its torch twin (bf16)")
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="try decode partition sizes and kernel configs")
+    ap.add_argument("--sweep-prefill", action="store_true", help="try prefill tile and pipeline configs (TFLOP/s)")
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--block-size", type=int, default=16)
@@ -267,12 +306,14 @@ def main() -> None:
             append_results(f"{args.record}: decode", cmd, rows)
     if args.sweep:
         print_table(sweep_decode(h, kvh, d, dtype, args.batches, args.contexts, args.block_size))
+    if args.sweep_prefill:
+        print_table(sweep_prefill(h, kvh, d, dtype, args.lengths, args.block_size))
     if args.prefill:
         rows = bench_prefill(h, kvh, d, dtype, args.lengths, args.block_size)
         print_table(rows)
         if args.record:
             append_results(f"{args.record}: prefill", cmd, rows)
-    if not (args.check or args.decode or args.prefill or args.sweep):
+    if not (args.check or args.decode or args.prefill or args.sweep or args.sweep_prefill):
         ap.error("choose at least one of --check, --decode, --prefill")
 
 

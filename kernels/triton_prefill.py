@@ -6,10 +6,13 @@ through the block table (a prefix-cache hit or the earlier chunks of a chunked p
 new tokens up to itself, read from this step's k/v [num_tokens, kv_heads, head_dim] (contiguous rows, and a
 plain prefill never touches the cache).
 
-Grid (num_seqs, cdiv(max_query_len, BLOCK_M), num_heads): one program per tile of BLOCK_M new tokens of one
-sequence and one query head (tiles past a sequence's q_len exit at once). Its keys come in three phases:
-A the cached prefix (whole tiles without masks, then a masked tail), B the new tokens before the tile (whole
-tiles, no masks, since BLOCK_M is a multiple of BLOCK_N), C the diagonal with the causal mask.
+Grid (num_heads, num_seqs, cdiv(max_query_len, BLOCK_M)): one program per tile of BLOCK_M new tokens of one
+sequence and one query head (tiles past a sequence's q_len exit at once). The GPU starts programs in grid order,
+so every head and sequence of the last tile comes first: a later tile attends to more keys, and the long programs
+start first and the short ones fill the end (no long tail); a GQA group's heads run side by side on the same keys.
+A program's keys come in three phases: A the cached prefix (whole tiles without masks, then a masked tail), B the new
+tokens before the tile (whole tiles, no masks, since BLOCK_M is a multiple of BLOCK_N), C the diagonal with the
+causal mask.
 """
 from __future__ import annotations
 
@@ -45,9 +48,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    tile_start = tl.program_id(1) * BLOCK_M
-    head = tl.program_id(2)
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    tile_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # the longest tiles first
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if tile_start >= q_len:
@@ -131,7 +134,7 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if block_m % block_n:
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     upcast = use_upcast(k_cache.dtype)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
+    grid = (num_heads, num_seqs, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e),
