@@ -101,12 +101,12 @@ def replay_floor(engine) -> None:
         graphs.seq_lens[:bs] = ctx
         graphs.slot_mapping[:bs] = -1
         for _ in range(3):
-            graphs.graphs[bs].replay()
+            graphs.graphs[(bs, 0)].replay()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         reps = 20
         for _ in range(reps):
-            graphs.graphs[bs].replay()
+            graphs.graphs[(bs, 0)].replay()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / reps * 1000
         print(f"# decode graph alone: batch {bs}, context {ctx}: {ms:.2f} ms ({bs / ms * 1000:,.0f} tok/s)")

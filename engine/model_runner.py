@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kvgate.engine.config import EngineConfig
-from kvgate.engine.cuda_graph import DecodeGraphs
+from kvgate.engine.cuda_graph import StepGraphs
 from kvgate.engine.distributed.parallel_state import get_pp_group, get_tp_group, get_world_group
 from kvgate.engine.forward_context import forward_context
 from kvgate.engine.kv_offload import OffloadStore
@@ -85,22 +85,32 @@ class ModelRunner:
         triton_gpu = self.device.type == "cuda" and config.attention_backend == "triton"
         if triton_gpu and fused == "all":
             use_fused_ops(self.model)
-        self.graphs: DecodeGraphs | None = None
-        # pooling: prefill only. Each pipeline stage captures its own layers
+        self.graphs: StepGraphs | None = None
+        # pooling: prefill only. Each pipeline stage captures its own layers. KVGATE_CUDAGRAPH_MODE (vLLM's
+        # cudagraph_mode): "decode" (default, vLLM's FULL_DECODE_ONLY): graphs for decode steps only; "full": for
+        # mixed steps too (decodes next to prompt chunks of up to 2,048 tokens; not yet measured on a GPU)
+        mode = os.environ.get("KVGATE_CUDAGRAPH_MODE", "decode")
+        if mode not in ("full", "decode"):
+            raise ValueError(f"KVGATE_CUDAGRAPH_MODE must be full or decode, got {mode!r}")
         if triton_gpu and not config.args.enforce_eager and config.runner == "generate":
-            from kvgate.kernels.triton_decode import graph_partition_size
-
-            self.graphs = DecodeGraphs(
-                self.model, self.attention_fn, config.max_num_seqs, config.max_model_len, self.block_size,
-                mc.hidden_size, config.dtype, self.device,
-                functools.partial(graph_partition_size, num_kv_heads=self.num_kv_heads,
-                                  max_model_len=config.max_model_len, device=self.device),
-                first_stage=self.pp.is_first, last_stage=self.pp.is_last)
+            self.graphs = self.step_graphs(mixed=mode == "full")
             self.graphs.capture()
         if triton_gpu and fused == "eager":
             use_fused_ops(self.model)  # after the capture: the graphs keep the torch ops
         if self.device.type == "cuda":
             self.warm_up()
+
+    def step_graphs(self, mixed: bool, capture: bool = True) -> StepGraphs:
+        from kvgate.kernels.triton_decode import graph_partition_size
+
+        config = self.config
+        return StepGraphs(
+            self.model, self.attention_fn, config.max_num_seqs, config.max_model_len, self.block_size,
+            config.model_config.hidden_size, config.dtype, self.device,
+            functools.partial(graph_partition_size, num_kv_heads=self.num_kv_heads,
+                              max_model_len=config.max_model_len, device=self.device),
+            first_stage=self.pp.is_first, last_stage=self.pp.is_last,
+            max_num_batched_tokens=config.max_num_batched_tokens if mixed else 0, capture=capture)
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -334,8 +344,9 @@ class ModelRunner:
         if not self.pp.is_first:
             shape = (input_ids.shape[0], self.config.model_config.hidden_size)
             intermediate = tuple(self.pp.recv([shape, shape], self.config.dtype, self.device))
-        if self.graphs is not None and md.num_decodes == md.num_seqs and self.graphs.can_run(md.num_seqs):
-            out = self.graphs.run(input_ids, positions, md.slot_mapping, md.seq_lens, md.block_tables, intermediate)
+        bucket = self.graphs.bucket(md, input_ids.shape[0]) if self.graphs is not None else None
+        if bucket is not None:
+            out, rows = self.graphs.run(bucket, input_ids, positions, md, rows, intermediate)  # type: ignore[union-attr]
             if not self.pp.is_last:  # copies: the next replay overwrites the graph's buffers while they may travel
                 out = tuple(t.clone() for t in out)
         else:
