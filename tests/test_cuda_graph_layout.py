@@ -5,13 +5,17 @@ those of the torch backend without graphs, through chunked prefill, prefix hits 
 bucket and the eager fallback are met.
 
 Small buckets (monkeypatched) make the tiny prompts meet every case: decodes padded, prompt tokens padded, steps too
-large for any bucket (run eagerly). Capturing and replaying the graphs themselves needs a GPU.
+large for any bucket (run eagerly). Capturing and replaying the graphs themselves needs a GPU
+(tests/test_cuda_graphs.py).
 """
 from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter here (set before their first import)
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import collections  # noqa: E402
 
@@ -27,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 BASE = random_prompts(1, seed=21, min_len=36, max_len=36)[0]
 PROMPTS = [BASE[:k] + p for k, p in zip((0, 36, 17, 0, 36), random_prompts(5, seed=22, min_len=1, max_len=28))]
 SP = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-KW = dict(kv_cache_memory_bytes=1 << 24, max_num_seqs=8, max_num_batched_tokens=24)
+KW = dict(kv_cache_memory_bytes=1 << 24, max_num_seqs=8, max_num_batched_tokens=24, dtype="float32")
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -43,9 +47,9 @@ def test_padded_layouts_give_the_eager_tokens(tiny_model_dirs: dict[str, str], a
     model = tiny_model_dirs["qwen3"]
     want = greedy(LLM(model, attention_backend="torch", **KW))
 
-    llm = LLM(model, attention_backend="triton", async_scheduling=asynchronous, **KW)
+    llm = LLM(model, attention_backend="triton", async_scheduling=asynchronous, enforce_eager=True, **KW)
     runner = llm.engine.runner
-    assert runner.attention_fn is triton_attention_backend and runner.graphs is None  # (no graphs on a CPU)
+    assert runner.attention_fn is triton_attention_backend and runner.graphs is None
     graphs = runner.graphs = runner.step_graphs(mixed=True, capture=False)
     graphs.capture()
     assert graphs.sizes == [1, 2, 4, 8] and graphs.mixed == [(d, t) for d in (0, 2, 8) for t in (8, 16)]
@@ -73,8 +77,6 @@ def test_bucket_choice() -> None:
     too many prompts or tokens: none (eager)."""
     from types import SimpleNamespace
 
-    import torch
-
     graphs = cuda_graph.StepGraphs(torch.nn.Identity(), None, 256, 4096, 16, 8, torch.float32, torch.device("cpu"),
                                    lambda n: 256, max_num_batched_tokens=8192, capture=False)
     md = lambda decodes, seqs: SimpleNamespace(num_decodes=decodes, num_seqs=seqs)  # noqa: E731
@@ -95,8 +97,6 @@ def test_mixed_layout_buffers() -> None:
     """What a mixed step's graph reads: decodes in rows [0, D), padding rows storing nothing, prompt tokens from row D
     on, absent prompt sequences with no tokens, and the logits rows moved with them; a smaller step after a larger
     one in the same bucket leaves no stale slot behind."""
-    import torch
-
     from kvgate.engine.forward_context import get_forward_context
     from kvgate.kernels.metadata import AttentionMetadata
 
