@@ -202,20 +202,27 @@ def sweep_decode(h: int, kvh: int, d: int, dtype: torch.dtype, batches: list[int
     return rows
 
 
+def prefill_case(n: int, h: int, kvh: int, d: int, dtype: torch.dtype, block_size: int, gen: torch.Generator):
+    """One causal sequence of n new tokens (no cached prefix): (a call of kvgate's prefill on it, its TFLOP,
+    (q, k, v))."""
+    q = torch.randn((n, h, d), dtype=dtype, device="cuda", generator=gen)
+    k = torch.randn((n, kvh, d), dtype=dtype, device="cuda", generator=gen)
+    v = torch.randn_like(k)
+    k_cache, v_cache, table = paged_cache([n], block_size, kvh, d, dtype, gen)
+    qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    sl = torch.tensor([n], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    call = lambda: paged_prefill(q, k, v, k_cache, v_cache, table, qsl, sl, n, d ** -0.5, out)  # noqa: E731
+    return call, 2 * n * n * h * d / 1e12, (q, k, v)  # causal: half of 4 * n^2 * h * d
+
+
 def bench_prefill(h: int, kvh: int, d: int, dtype: torch.dtype, lengths: list[int], block_size: int) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n in lengths:
-        q = torch.randn((n, h, d), dtype=dtype, device="cuda", generator=gen)
-        k = torch.randn((n, kvh, d), dtype=dtype, device="cuda", generator=gen)
-        v = torch.randn_like(k)
-        k_cache, v_cache, table = paged_cache([n], block_size, kvh, d, dtype, gen)
-        qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        sl = torch.tensor([n], dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
+        call, tflop, (q, k, v) = prefill_case(n, h, kvh, d, dtype, block_size, gen)
         scale = d ** -0.5
-        tflop = 2 * n * n * h * d / 1e12  # causal: half of 4 * n^2 * h * d
-        ms = bench(lambda: paged_prefill(q, k, v, k_cache, v_cache, table, qsl, sl, n, scale, out))
+        ms = bench(call)
         row = {"tokens": n, "kvgate_us": round(ms * 1e3, 1), "kvgate_TFLOP/s": round(tflop / ms * 1e3, 1)}
         qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         for name, backend in SDPA.items():
@@ -244,20 +251,13 @@ def sweep_prefill(h: int, kvh: int, d: int, dtype: torch.dtype, lengths: list[in
     configs = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
                (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 4)]
     for n in lengths:
-        q = torch.randn((n, h, d), dtype=dtype, device="cuda", generator=gen)
-        k = torch.randn((n, kvh, d), dtype=dtype, device="cuda", generator=gen)
-        v = torch.randn_like(k)
-        k_cache, v_cache, table = paged_cache([n], block_size, kvh, d, dtype, gen)
-        qsl = torch.tensor([0, n], dtype=torch.int32, device="cuda")
-        sl = torch.tensor([n], dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        tflop = 2 * n * n * h * d / 1e12
+        call, tflop, _ = prefill_case(n, h, kvh, d, dtype, block_size, gen)
         row: dict = {"tokens": n}
         best = (float("inf"), "")
         for cfg in configs:
             triton_prefill.prefill_config = lambda hd, dt, cfg=cfg: cfg
             try:
-                ms = bench(lambda: paged_prefill(q, k, v, k_cache, v_cache, table, qsl, sl, n, d ** -0.5, out))
+                ms = bench(call)
             except Exception as e:  # noqa: BLE001 (out of shared memory: the config does not fit)
                 print(f"# {cfg}: {str(e).splitlines()[0][:80]}", flush=True)
                 continue
