@@ -140,8 +140,7 @@ class StepGraphs:
             return next(((b, 0) for b in self.sizes if b >= nd), None)
         if prompts > MAX_PREFILL_SEQS:
             return None
-        fits = [b for b in self.mixed if b[0] >= nd and b[1] >= num_tokens - nd]
-        return min(fits, key=lambda b: (b[0], b[1])) if fits else None
+        return next((b for b in self.mixed if b[0] >= nd and b[1] >= num_tokens - nd), None)  # (mixed is sorted)
 
     def run(self, bucket: Bucket, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
             rows: list[int], intermediate: tuple[torch.Tensor, torch.Tensor] | None = None
