@@ -40,10 +40,9 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        # normalized in float32 and rounded to x's dtype, then scaled by the weight in that dtype: transformers'
+        # arithmetic exactly, in two ops
+        out = self.weight * F.rms_norm(x, (x.shape[-1],), None, self.eps)
         return out if residual is None else (out, residual)
 
 
