@@ -31,8 +31,14 @@ DEFAULT_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "kvgate", "model
 
 
 def workload() -> list[list[int]]:
+    """The prompts of throughput.py's `--num-seqs 16 --min-input 100 --max-input 200 --min-output 128
+    --max-output 128`."""
     rng = random.Random(0)
-    return [[rng.randrange(0, 10000) for _ in range(rng.randint(100, 200))] for _ in range(16)]
+    prompts = []
+    for _ in range(16):
+        prompts.append([rng.randrange(0, 10000) for _ in range(rng.randint(100, 200))])
+        rng.randint(128, 128)  # the output length, which throughput.py draws next
+    return prompts
 
 
 def run_one(engine: str, model: str, dtype: str, out: str) -> None:
