@@ -55,12 +55,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the timed steps")
     args = ap.parse_args()
+    seats = max(256, args.streams)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=stub_model_dir(tempfile.mkdtemp(prefix="kvgate-host-")), load_format="dummy", dtype="float32",
-        kv_cache_memory_bytes=1 << 27, max_num_seqs=max(256, args.streams), async_scheduling=False))
-    runner, vocab = engine.runner, SHAPE["vocab_size"]
-    hidden = SHAPE["hidden_size"]
-    logits = torch.randn((max(256, args.streams), vocab), generator=torch.Generator().manual_seed(0))
+        kv_cache_memory_bytes=1 << 27, max_num_seqs=seats, async_scheduling=False))
+    runner, vocab, hidden = engine.runner, SHAPE["vocab_size"], SHAPE["hidden_size"]
+    logits = torch.randn((seats, vocab), generator=torch.Generator().manual_seed(0))
     runner.model.forward = lambda ids, positions, intermediate=None: torch.zeros((ids.shape[0], hidden))
     runner.model.compute_logits = lambda h: logits[:h.shape[0]]
     rng = random.Random(0)

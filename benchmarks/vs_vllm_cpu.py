@@ -1,7 +1,7 @@
 """kvgate next to vLLM's CPU build on the same model, one engine after the other (issue 19's CPU targets).
 
-Offline: the same requests (throughput.py's workload, seed 0: prompts of 100-200 random token ids, 128 greedy tokens
-each, ignore_eos) through `LLM.generate` in a fresh process per run, vLLM in its default mode (torch.compile) and
+Offline: the same requests (throughput.py's workload, seed 0: 16 prompts of 100-200 random token ids, 128 greedy
+tokens each, ignore_eos) through `LLM.generate` in a fresh process per run, vLLM in its default mode (torch.compile) and
 kvgate alternated; a 2-request warm-up first; greedy tokens compared. Serving: `kvgate serve` and `vllm serve`, each
 in its default mode (vLLM runs a float32 checkpoint in bfloat16 on a CPU; pass --dtype to kvgate to match), under
 vLLM's own load client (`vllm bench serve`, random dataset). vLLM lives in a virtual environment of its own:
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -25,24 +24,15 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# this folder's kernels.py would shadow the `kernels` package that transformers probes for (vLLM imports it)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 DEFAULT_MODEL = os.path.join(os.path.expanduser("~"), ".cache", "kvgate", "models", "SmolLM2-135M-Instruct")
 
 
-def workload() -> list[list[int]]:
-    """The prompts of throughput.py's `--num-seqs 16 --min-input 100 --max-input 200 --min-output 128
-    --max-output 128`."""
-    rng = random.Random(0)
-    prompts = []
-    for _ in range(16):
-        prompts.append([rng.randrange(0, 10000) for _ in range(rng.randint(100, 200))])
-        rng.randint(128, 128)  # the output length, which throughput.py draws next
-    return prompts
-
-
-def run_one(engine: str, model: str, dtype: str, out: str) -> None:
-    """In a fresh process: load, warm up, time the 16 requests; write {"tok_s", "start_s", "tokens"} to `out`."""
+def run_one(engine: str, model: str, dtype: str, prompts_file: str, out: str) -> None:
+    """In a fresh process: load, warm up, time the requests; write {"tok_s", "start_s", "tokens"} to `out`."""
+    # this folder's kernels.py would shadow the `kernels` package that transformers probes for (vLLM imports it)
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+    with open(prompts_file) as f:
+        prompts = [{"prompt_token_ids": p} for p in json.load(f)]
     t0 = time.perf_counter()
     if engine == "vllm":
         from vllm import LLM, SamplingParams
@@ -50,7 +40,6 @@ def run_one(engine: str, model: str, dtype: str, out: str) -> None:
     else:
         from kvgate.engine import LLM, SamplingParams
         llm = LLM(model, dtype=dtype)
-    prompts = [{"prompt_token_ids": p} for p in workload()]
     start = time.perf_counter() - t0
     llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(temperature=0, max_tokens=4))
     t = time.perf_counter()
@@ -62,12 +51,19 @@ def run_one(engine: str, model: str, dtype: str, out: str) -> None:
 
 
 def offline(args: argparse.Namespace) -> None:
+    from throughput import workload  # (this folder)
+
+    shape = argparse.Namespace(seed=0, num_seqs=16, min_input=100, max_input=200, min_output=128, max_output=128)
+    tmp = tempfile.mkdtemp(prefix="vs_vllm_cpu-")
+    prompts_file = os.path.join(tmp, "prompts.json")
+    with open(prompts_file, "w") as f:
+        json.dump([p for p, _ in workload(shape, vocab=10000)], f)
     runs = []
     for r in range(args.rounds):
         for engine in ("vllm", "kvgate"):
             python = args.vllm_python if engine == "vllm" else sys.executable
-            out = tempfile.mktemp(suffix=".json")
-            subprocess.run([python, __file__, "_one", engine, args.model, args.dtype, out], check=True,
+            out = os.path.join(tmp, f"{engine}-{r}.json")
+            subprocess.run([python, __file__, "_one", engine, args.model, args.dtype, prompts_file, out], check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(out) as f:
                 runs.append((engine, json.load(f)))
@@ -76,7 +72,8 @@ def offline(args: argparse.Namespace) -> None:
     first = {e: res["tokens"] for e, res in reversed(runs)}  # each engine's first run
     same = sum(a == b for a, b in zip(first["kvgate"], first["vllm"]))
     same_tokens = sum(x == y for a, b in zip(first["kvgate"], first["vllm"]) for x, y in zip(a, b))
-    print(f"greedy: {same}/16 sequences identical, {same_tokens}/{sum(map(len, first['kvgate']))} tokens")
+    total = sum(map(len, first["kvgate"]))
+    print(f"greedy: {same}/{len(first['kvgate'])} sequences identical, {same_tokens}/{total} tokens")
 
 
 def wait_up(port: int, proc: subprocess.Popen, timeout: float = 600) -> float:
@@ -126,7 +123,7 @@ def serve(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["_one"]:
-        run_one(*sys.argv[2:6])
+        run_one(*sys.argv[2:7])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["offline", "serve"])
