@@ -5,7 +5,8 @@ The batch is flat: the new tokens of every scheduled sequence, concatenated, dec
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # decode split-K partition size fixed by the caller (CUDA graphs: no host lengths); None: chosen per step
     decode_partition_size: int | None = None
+    # what a backend derives from the above once per step and reuses in every layer (the torch backend's gather plan)
+    scratch: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

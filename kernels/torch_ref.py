@@ -10,15 +10,25 @@ import torch.nn.functional as F
 from kvgate.kernels.metadata import AttentionMetadata
 
 
-def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Write k/v [num_tokens, kv_heads, head_dim] into their slots; slots < 0 are padding and skipped."""
-    num_blocks, block_size = k_cache.shape[:2]
+def store_plan(slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the slots to write, the rows of k/v that have one: None for all); slots < 0 are padding."""
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if bool(keep.all()):
+        return slot_mapping, None
+    rows = keep.nonzero().squeeze(1)
+    return slot_mapping[rows], rows
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
+    """Write k/v [num_tokens, kv_heads, head_dim] into their slots; slots < 0 are padding and skipped. `plan`:
+    store_plan(slot_mapping), where the caller made it once for all layers."""
+    num_blocks, block_size = k_cache.shape[:2]
+    slots, rows = store_plan(slot_mapping) if plan is None else plan
+    if rows is not None:
+        k, v = k[rows], v[rows]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -28,19 +38,30 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:length]
 
 
-def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None) -> torch.Tensor:
-    """One query token per sequence. q: [num_seqs, heads, head_dim] -> [num_seqs, heads, head_dim]."""
-    block_size = k_cache.shape[1]
-    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+def decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_len: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a decode batch gathers, the same in every layer: the flat block ids ([seqs * blocks], each row as long
+    as the longest sequence's) and the keys' mask [seqs, 1, 1, blocks * block_size] (False: past the sequence)."""
     table = block_tables[:, : (max_len + block_size - 1) // block_size].long()
-    shape = (table.shape[0], table.shape[1] * block_size, *k_cache.shape[2:])
+    valid = torch.arange(table.shape[1] * block_size, device=table.device)[None, :] < seq_lens[:, None]
+    return table.reshape(-1), valid[:, None, None, :]
+
+
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, max_seq_len: int | None = None,
+                     plan: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One query token per sequence. q: [num_seqs, heads, head_dim] -> [num_seqs, heads, head_dim]. `plan`:
+    decode_plan(...), where the caller made it once for all layers."""
+    if plan is None:
+        max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], max_len)
+    blocks, valid = plan
+    shape = (q.shape[0], -1, *k_cache.shape[2:])
     # index_select, not advanced indexing: several times faster on CPU
-    k = k_cache.index_select(0, table.reshape(-1)).view(shape).transpose(1, 2)  # [seqs, kv_heads, len, head_dim]
-    v = v_cache.index_select(0, table.reshape(-1)).view(shape).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True)
+    k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # [seqs, kv_heads, len, head_dim]
+    v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=valid,
+                                         scale=scale, enable_gqa=True)
     return out[:, :, 0, :]
 
 
@@ -74,12 +95,19 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def torch_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                             v_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
     """Store the new K/V, then attend. q: [T, h, d], k/v: [T, kvh, d] -> [T, h, d]."""
-    store_kvcache_ref(k, v, k_cache, v_cache, md.slot_mapping)
     nd = md.num_decodes
+    plans = md.scratch.get("torch")
+    if plans is None:  # the first layer of the step
+        decode = None
+        if nd:
+            max_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else int(md.seq_lens[:nd].max())
+            decode = decode_plan(md.block_tables[:nd], md.seq_lens[:nd], k_cache.shape[1], max_len)
+        plans = md.scratch["torch"] = (store_plan(md.slot_mapping), decode)
+    store_kvcache_ref(k, v, k_cache, v_cache, md.slot_mapping, plans[0])
     out = torch.empty_like(q)
     if nd:
-        max_len = max(md.seq_lens_cpu[:nd]) if md.seq_lens_cpu else None
-        out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale, max_len)
+        out[:nd] = paged_decode_ref(q[:nd], k_cache, v_cache, md.block_tables[:nd], md.seq_lens[:nd], scale,
+                                    plan=plans[1])
     if nd < md.num_seqs:
         qsl = md.query_start_loc_cpu or md.query_start_loc.tolist()
         lens = md.seq_lens_cpu or md.seq_lens.tolist()

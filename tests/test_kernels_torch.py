@@ -1,6 +1,7 @@
 """The torch attention backend and the CPU packed linear against plain dense math."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -99,9 +100,11 @@ def test_torch_backend_mixed_batch_and_padding_slots() -> None:
     v1 = torch.cat([vs[1], v_new[1:]])
     torch.testing.assert_close(out[1:], dense_attention(q[1:], k1, v1, d ** -0.5), atol=1e-5, rtol=1e-5)
     before = kc.clone()
-    md.slot_mapping = torch.tensor([-1] + slots[1:])
-    get_attention_backend("torch")(q, k_new, v_new, kc, vc, md, d ** -0.5)
+    md = dataclasses.replace(md, slot_mapping=torch.tensor([-1] + slots[1:]))  # a new step: its own scratch
+    k2 = torch.randn(17, kvh, d)
+    get_attention_backend("torch")(q, k2, torch.randn(17, kvh, d), kc, vc, md, d ** -0.5)
     assert torch.equal(kc.view(-1, kvh, d)[slots[0]], before.view(-1, kvh, d)[slots[0]])
+    assert torch.equal(kc.view(-1, kvh, d)[slots[1:]], k2[1:])
 
 
 def test_registry_names_and_errors(tmp_path) -> None:
