@@ -54,6 +54,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of 2-D x, the same indices (the first of equal maxima; a NaN counts as the largest). On the
+    CPU in two passes, a max per 128 columns then the argmax inside the winning chunk: torch's CPU argmax does not
+    vectorize (1.0 ms for 16 x 49,152 float32 logits, against 0.15 ms)."""
+    rows, cols = x.shape
+    if x.device.type != "cpu" or cols % 128 or cols < 1024:
+        return x.argmax(dim=-1)
+    chunks = x.reshape(rows, cols // 128, 128)
+    best = chunks.amax(dim=-1).argmax(dim=-1)  # the first chunk holding the row's max
+    return best * 128 + chunks[torch.arange(rows), best].argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int = 0) -> None:
         self.vocab_size = vocab_size
@@ -96,7 +108,7 @@ class Sampler:
         if banned:
             self._apply_min_tokens(logits, rows, banned)
         if not sampled and not mask_in_kernel:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         elif kernel and (plain or mask_in_kernel):  # one kernel for the plain rows and the greedy ones
             from kvgate.kernels.triton_sample import STEP_SEED_STRIDE, row_seed
             from kvgate.kernels.triton_sample import sample as fused_sample
@@ -123,7 +135,7 @@ class Sampler:
         elif len(sampled) == len(rows):
             tokens = self._sample(logits, rows)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
             s = to_device(sampled, torch.long, dev)
             tokens[s] = self._sample(logits[s], [rows[i] for i in sampled])
         host = [_to_host(tokens)]
@@ -238,4 +250,4 @@ class Sampler:
         for i in seeded:
             u[i] = torch.rand(probs.shape[1], generator=rows[i].generator, device=probs.device)
         q = u.clamp_(min=1e-20).log_().neg_()
-        return (probs / q).argmax(dim=-1)
+        return argmax(probs / q)

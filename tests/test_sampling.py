@@ -7,11 +7,14 @@ from collections import Counter
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
 from sampling_helpers import PROMPTS, greedy_sp, hf_first_logits, token_ids, total_variation
 from tiny_models import assert_engine_idle, assert_greedy_close, hf_greedy_with_logits, random_prompts
 
 from kvgate.engine import LLM, SamplingParams
+from kvgate.engine.sampler import argmax
 
 
 # ---- greedy ------------------------------------------------------------------------------------------------------
@@ -174,3 +177,19 @@ def test_top_k_top_p_min_p_restrict_the_support(llm: LLM, tiny_llama: str) -> No
     counts = draw_first_tokens(llm, prompt, 1000, temperature=1.0, min_p=min_p)
     assert set(counts) == set(order[:2].tolist()), (min_p, counts)
     assert_engine_idle(llm)
+
+
+# ---- the CPU argmax ----------------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 5), chunks=st.integers(8, 20), seed=st.integers(0, 2**32 - 1),
+       specials=st.lists(st.sampled_from([float("nan"), float("inf"), float("-inf"), 3.0]), max_size=6))
+def test_cpu_argmax_equals_torch_argmax(rows: int, chunks: int, seed: int, specials: list[float]) -> None:
+    """Ties (a few distinct values), infinities and NaNs anywhere: the same index as torch.argmax."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (rows, chunks * 128), generator=g).float()
+    for i, value in enumerate(specials):
+        if rows:
+            x[i % rows, int(torch.randint(0, x.shape[1], (1,), generator=g))] = value
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    flipped = x.flip(-1)  # the maxima in other chunks
+    assert torch.equal(argmax(flipped), flipped.argmax(dim=-1))
