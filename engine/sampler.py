@@ -244,10 +244,17 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             min_p = to_device([p.min_p for p in params], torch.float32, dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # exponential-race sampling: argmax(p / q) with q = -log(u) ~ Exp(1); seeded rows use their own generator
+        # inverse-CDF sampling: one uniform draw per row, looked up in the row's cumulative probabilities (float64);
+        # a draw per token (an exponential race) took 4.3 ms of a CPU decode step for 16 x 49,152. Seeded rows draw
+        # from their own generator
         seeded = [i for i, seq in enumerate(rows) if seq.generator is not None]
-        u = torch.empty_like(probs) if len(seeded) == len(rows) else torch.rand_like(probs)  # (no noise drawn twice)
+        shape = (len(rows), 1)
+        u = torch.empty(shape, dtype=torch.float64, device=dev) if len(seeded) == len(rows) else \
+            torch.rand(shape, dtype=torch.float64, device=dev)  # (no row's draw taken twice)
         for i in seeded:
-            u[i] = torch.rand(probs.shape[1], generator=rows[i].generator, device=probs.device)
-        q = u.clamp_(min=1e-20).log_().neg_()
-        return argmax(probs / q)
+            u[i] = torch.rand(1, dtype=torch.float64, generator=rows[i].generator, device=dev)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        # below the total, strictly: the first entry above the draw then belongs to a token of non-zero probability
+        x = torch.minimum(u * total, total * (1 - 2 ** -52))
+        return torch.searchsorted(cdf, x, right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
