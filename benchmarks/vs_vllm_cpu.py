@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,7 +131,7 @@ def serve(args: argparse.Namespace) -> None:
     ratios = [a / b for a, b in zip(tput["kvgate"], tput["vllm"])]
     if ratios:
         print("kvgate / vllm, output tok/s, round by round: " + ", ".join(f"{x:.2f}x" for x in ratios) +
-              f"; median {sorted(ratios)[len(ratios) // 2]:.2f}x")
+              f"; median {statistics.median(ratios):.2f}x")
 
 
 def main() -> None:
