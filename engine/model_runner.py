@@ -87,9 +87,12 @@ class ModelRunner:
             use_fused_ops(self.model)
         self.graphs: StepGraphs | None = None
         # pooling: prefill only. Each pipeline stage captures its own layers. KVGATE_CUDAGRAPH_MODE (vLLM's
-        # cudagraph_mode): "decode" (default, vLLM's FULL_DECODE_ONLY): graphs for decode steps only; "full": for
-        # mixed steps too (decodes next to prompt chunks of up to 2,048 tokens; not yet measured on a GPU)
-        mode = os.environ.get("KVGATE_CUDAGRAPH_MODE", "decode")
+        # cudagraph_mode): "full" (vLLM's FULL): graphs for mixed steps too, decodes next to prompt chunks of up to
+        # 2,048 tokens (one H100, 200 clients: 38.5k against 27.3k output tok/s with decode graphs only,
+        # benchmarks/RESULTS.md); "decode" (vLLM's FULL_DECODE_ONLY): decode steps only. The default is "full" on one
+        # GPU and "decode" with tensor parallelism, where mixed graphs have not run on GPUs yet (with pipeline
+        # stages StepGraphs captures decode steps only)
+        mode = os.environ.get("KVGATE_CUDAGRAPH_MODE", "full" if tp.world_size == 1 else "decode")
         if mode not in ("full", "decode"):
             raise ValueError(f"KVGATE_CUDAGRAPH_MODE must be full or decode, got {mode!r}")
         if triton_gpu and not config.args.enforce_eager and config.runner == "generate":

@@ -1,4 +1,5 @@
-"""The engine's greedy tokens equal transformers' generate on the same weights, whatever the scheduling."""
+"""The engine's greedy tokens equal transformers' generate on the same weights, whatever the scheduling. On the CPU,
+also on a machine with a GPU (there the default dtype is bfloat16; tests/test_cuda_graphs.py covers the GPU)."""
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,7 @@ def greedy(llm: LLM) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_matches_transformers(tiny_model_dirs: dict[str, str], arch: str) -> None:
     ids, logits = reference(tiny_model_dirs[arch])
-    llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24)
+    llm = LLM(tiny_model_dirs[arch], device="cpu", kv_cache_memory_bytes=1 << 24)
     assert_greedy_close(greedy(llm), ids, logits)
     assert_engine_idle(llm)
 
@@ -36,7 +37,7 @@ def test_matches_transformers(tiny_model_dirs: dict[str, str], arch: str) -> Non
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_prefix_caching_reuses_blocks_and_matches(tiny_model_dirs: dict[str, str], arch: str) -> None:
     ids, logits = reference(tiny_model_dirs[arch])
-    llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24, enable_prefix_caching=True)
+    llm = LLM(tiny_model_dirs[arch], device="cpu", kv_cache_memory_bytes=1 << 24, enable_prefix_caching=True)
     assert_greedy_close(greedy(llm), ids, logits)
     first_hits = llm.engine.block_manager.prefix_cache_hits  # prompts admitted in one step cannot share yet
     assert_greedy_close(greedy(llm), ids, logits)  # every prompt again: served from cached blocks
@@ -48,7 +49,7 @@ def test_prefix_caching_reuses_blocks_and_matches(tiny_model_dirs: dict[str, str
 @pytest.mark.parametrize("budget", [1, 7, 16])
 def test_small_chunked_prefill_matches(tiny_model_dirs: dict[str, str], arch: str, budget: int) -> None:
     ids, logits = reference(tiny_model_dirs[arch])
-    llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=budget)
+    llm = LLM(tiny_model_dirs[arch], device="cpu", kv_cache_memory_bytes=1 << 24, max_num_batched_tokens=budget)
     assert_greedy_close(greedy(llm), ids, logits)
     assert_engine_idle(llm)
 
@@ -57,7 +58,7 @@ def test_small_chunked_prefill_matches(tiny_model_dirs: dict[str, str], arch: st
 @pytest.mark.parametrize("caching", [True, False])
 def test_preemption_under_tiny_cache_matches(tiny_model_dirs: dict[str, str], arch: str, caching: bool) -> None:
     ids, logits = reference(tiny_model_dirs[arch])
-    llm = LLM(tiny_model_dirs[arch], num_gpu_blocks_override=10, enable_prefix_caching=caching,
+    llm = LLM(tiny_model_dirs[arch], device="cpu", num_gpu_blocks_override=10, enable_prefix_caching=caching,
               max_num_batched_tokens=32)
     assert_greedy_close(greedy(llm), ids, logits)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -67,13 +68,13 @@ def test_preemption_under_tiny_cache_matches(tiny_model_dirs: dict[str, str], ar
 @pytest.mark.parametrize("block_size", [32, 64])
 def test_block_sizes_match(tiny_model_dirs: dict[str, str], block_size: int) -> None:
     ids, logits = reference(tiny_model_dirs["qwen3"])
-    llm = LLM(tiny_model_dirs["qwen3"], block_size=block_size, num_gpu_blocks_override=8)
+    llm = LLM(tiny_model_dirs["qwen3"], device="cpu", block_size=block_size, num_gpu_blocks_override=8)
     assert_greedy_close(greedy(llm), ids, logits)
     assert_engine_idle(llm)
 
 
 def test_parallel_sampling_shares_prompt_blocks(tiny_model_dirs: dict[str, str]) -> None:
-    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory_bytes=1 << 24, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dirs["llama"], device="cpu", kv_cache_memory_bytes=1 << 24, enable_prefix_caching=False)
     engine = llm.engine
     prompt = PROMPTS[5]  # 50+ tokens: three full blocks
     engine.add_request("r", prompt, SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6))
@@ -94,7 +95,7 @@ def test_bfloat16_on_cpu_matches_float32_transformers(tiny_model_dirs: dict[str,
     have a std of ~2 and bf16 rounding moved a pick by at most 0.32 in a probe (a wrong weight layout picks tokens
     ~5 below transformers' top logit), hence the tolerance."""
     ids, logits = reference(tiny_model_dirs[arch])
-    llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24, dtype="bfloat16")
+    llm = LLM(tiny_model_dirs[arch], device="cpu", kv_cache_memory_bytes=1 << 24, dtype="bfloat16")
     if can_pack(torch.device("cpu"), torch.bfloat16):
         assert any(isinstance(m, PackedLinear) for m in llm.engine.runner.model.modules())
     assert_greedy_close(greedy(llm), ids, logits, tol=0.35)
