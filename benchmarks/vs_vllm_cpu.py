@@ -108,7 +108,7 @@ def serve(args: argparse.Namespace) -> None:
             "Median TPOT")
     # both servers up for the whole run and the load alternated between them: a pair of rounds is seconds apart,
     # which on a machine whose speed drifts by 30% is what makes their ratio mean something (an idle server of
-    # either kind waits on its socket and takes no CPU)
+    # either kind takes next to no CPU: benchmarks/RESULTS.md)
     procs, tput = {}, {"kvgate": [], "vllm": []}
     try:
         for engine, port in (("kvgate", 8201), ("vllm", 8202)):
