@@ -56,13 +56,17 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         plan = decode_plan(block_tables, seq_lens, k_cache.shape[1], max_len)
     blocks, valid = plan
-    shape = (q.shape[0], -1, *k_cache.shape[2:])
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    shape = (num_seqs, -1, kv_heads, head_dim)
     # index_select, not advanced indexing: several times faster on CPU
     k = k_cache.index_select(0, blocks).view(shape).transpose(1, 2)  # [seqs, kv_heads, len, head_dim]
     v = v_cache.index_select(0, blocks).view(shape).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k.to(q.dtype), v.to(q.dtype), attn_mask=valid,
-                                         scale=scale, enable_gqa=True)
-    return out[:, :, 0, :]
+    # the query heads that share a KV head attend as one group of queries ([seqs, kv_heads, group, head_dim]), not
+    # through enable_gqa: each KV head is then read once, not once per query head (on CPU in bfloat16, ~5x faster)
+    grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=valid, scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
