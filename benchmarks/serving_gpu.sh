@@ -8,6 +8,9 @@
 #   SERVE_FLAGS=--no-engine-core-process LEVELS=128 bash benchmarks/serving_gpu.sh OUT   # engine loop on a thread
 #   CONFIG=benchmarks/configs/llama-3-8b SERVE_FLAGS="--tensor-parallel-size 2" LEVELS=128 CONCURRENCY="100 200" \
 #     NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT                  # another model's shapes, on 2 GPUs
+#   PY_SPY=py-spy NUM_PROMPTS=3000 LEVELS=128 CONCURRENCY=200 bash benchmarks/serving_gpu.sh OUT   # + where the
+#     server's processes spend their time: py-spy --gil stacks (OUT/spy-PID.txt, 6 s from 3 s into the 128-token
+#     level) and each process's CPU seconds before and after that level
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -23,7 +26,15 @@ curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exi
 bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab 100000 --workers 4"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
-[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts 1000 --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
+cpu_s() { for p in $server $(pgrep -P $server); do echo "$(awk '{print $1, $2, ($14 + $15) / 100}' /proc/$p/stat) s"; done; }
+if [[ -n ${PY_SPY:-} ]]; then  # the API process and its children (the engine core's process among them)
+  for p in $server $(pgrep -P $server); do
+    (sleep 3; $PY_SPY record -p $p -r 250 -d 6 --gil -f raw -o "$out/spy-$p.txt" >/dev/null 2>&1) &
+  done
+  echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
+fi
+[[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-1000} --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
+[[ -n ${PY_SPY:-} ]] && echo "CPU seconds after: $(cpu_s | tr '\n' ' ')"
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0
