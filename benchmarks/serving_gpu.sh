@@ -26,9 +26,10 @@ curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exi
 bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab 100000 --workers 4"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
-cpu_s() { for p in $server $(pgrep -P $server); do echo "$(awk '{print $1, $2, ($14 + $15) / 100}' /proc/$p/stat) s"; done; }
-if [[ -n ${PY_SPY:-} ]]; then  # the API process and its children (the engine core's process among them)
-  for p in $server $(pgrep -P $server); do
+pids="$server $(pgrep -P $server || true)"  # the API process and its children (the engine core's process among them)
+cpu_s() { for p in $pids; do echo "$(awk '{print $1, $2, ($14 + $15) / 100}' /proc/$p/stat) s"; done; }
+if [[ -n ${PY_SPY:-} ]]; then
+  for p in $pids; do
     (sleep 3; $PY_SPY record -p $p -r 250 -d 6 --gil -f raw -o "$out/spy-$p.txt" >/dev/null 2>&1) &
   done
   echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
