@@ -53,7 +53,7 @@ class SoakArgs:
     model: str | None = None  # a local HF directory; None: build a tiny random model
     duration: float = 120.0  # seconds of traffic
     clients: int = 8  # concurrent clients, each sending one request after another
-    kills: int = 2  # engine core processes SIGKILLed, evenly spaced, replicas in turn
+    kills: int = 2  # engine core processes SIGKILLed, evenly spaced, replicas in turn (or one with requests)
     replicas: int = 2
     disconnect: float = 0.2  # share of streams the client drops mid-way
     max_num_seqs: int = 8
@@ -183,16 +183,23 @@ async def client(base: str, seed: int, deadline: float, tally: Tally, disconnect
 
 
 async def killer(engines: list[AsyncLLMEngine], times: list[float], killed: list[str]) -> None:
-    """SIGKILL a replica's engine core at each of `times` (monotonic), replicas in turn, once it has requests."""
+    """SIGKILL an engine core at each of `times` (monotonic): the replica in turn if it has requests in flight, else
+    one that has (the router may send all traffic to one replica); returns once each death was noticed."""
     for i, at in enumerate(times):
         await asyncio.sleep(max(0.0, at - time.monotonic()))
-        victim = engines[i % len(engines)]
-        await asyncio.wait_for(victim.wait_until_ready(), 120)  # restarted from an earlier kill
+        for e in engines:  # restarted from an earlier kill
+            await asyncio.wait_for(e.wait_until_ready(), 120)
+        turn = [engines[(i + k) % len(engines)] for k in range(len(engines))]
         give_up = time.monotonic() + 5
-        while victim.num_requests == 0 and time.monotonic() < give_up:
+        while not any(e.num_requests for e in turn) and time.monotonic() < give_up:
             await asyncio.sleep(0.01)
+        victim = next((e for e in turn if e.num_requests), turn[0])
+        restarts = victim.num_restarts
         os.kill(victim.core_pid, signal.SIGKILL)
-        killed.append(f"replica {i % len(engines)} ({victim.num_requests} requests in flight)")
+        killed.append(f"replica {engines.index(victim)} ({victim.num_requests} requests in flight)")
+        # until the engine has seen the death: a kill near the end must not pass for a ready replica
+        while victim.is_ready and victim.num_restarts == restarts:
+            await asyncio.sleep(0.01)
 
 
 # ---- the run --------------------------------------------------------------------------------------------------
