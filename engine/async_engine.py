@@ -30,10 +30,11 @@ from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.core_process import RESTART_WINDOW_S, CoreProcess, RestartBudget, start_core_process
-from kvgate.engine.engine_core import CoreOutputs, EngineCore
+from kvgate.engine.engine_core import CoreOutputs, EngineCore, merge_core_outputs
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from kvgate.engine.output_stream import RequestOutputStream, push_on_loop, settle
 from kvgate.engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from kvgate.engine.pipe_reader import PipeReader
 from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
@@ -368,13 +369,15 @@ class AsyncLLMEngine:
                 logger.exception("on_dead callback failed")
 
     def _read_outputs(self) -> None:
-        """The core's process sends one CoreOutputs per turn; returns on EOF (it died or stopped)."""
+        """The core's process sends one CoreOutputs per turn; the turns waiting are read at once and handed over as
+        one (engine/pipe_reader.py). Returns on EOF (it died or stopped)."""
+        reader = PipeReader(self._conn)
         while True:
             try:
-                out = self._conn.recv()
+                outs = reader.read()
             except (EOFError, OSError):
                 return
-            self._on_core_outputs(out)
+            self._on_core_outputs(outs[0] if len(outs) == 1 else merge_core_outputs(outs))
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """Fail every request in flight and every pending call with `error` (after _core_gone is set)."""

@@ -18,6 +18,7 @@ import gc
 import logging
 import queue
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, Callable
 from kvgate.engine.config import EngineArgs
 from kvgate.engine.llm_engine import LLMEngine
 from kvgate.engine.outputs import EngineOutput
+from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S, PipeReader
 from kvgate.engine.stats import EngineStats, snapshot
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,17 @@ class CoreOutputs:
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it ended)
     results: list[tuple[int, BaseException | None, Any]] = field(default_factory=list)  # (call id, error, value)
     stats: EngineStats | None = None
+
+
+def merge_core_outputs(outs: list[CoreOutputs]) -> CoreOutputs:
+    """Several turns' CoreOutputs as one, in turn order (the latest stats)."""
+    merged = CoreOutputs()
+    for out in outs:
+        merged.outputs += out.outputs
+        merged.failed += out.failed
+        merged.results += out.results
+        merged.stats = out.stats if out.stats is not None else merged.stats
+    return merged
 
 
 class EngineCore:
@@ -129,6 +142,7 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
         conn.send(("load_error", _picklable(e)))
         return
     freeze_gc_heap()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # the command reader thread gets the GIL within 1 ms of a step's Python
     conn.send(("ready", engine.config, snapshot(engine)))  # the config as this engine resolved it
     inbox: queue.Queue[tuple] = queue.Queue()
     threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
@@ -159,16 +173,19 @@ def freeze_gc_heap() -> None:
 
 
 def _read_commands(conn: Any, inbox: "queue.Queue[tuple]") -> None:
-    """Move commands from the pipe into the inbox as they come, so the parent's writes never wait on a step."""
+    """Move commands from the pipe into the inbox as they come, every waiting one per read (engine/pipe_reader.py),
+    so the parent's writes never wait on a step."""
+    reader = PipeReader(conn)
     while True:
         try:
-            cmd = conn.recv()
+            cmds = reader.read()
         except (EOFError, OSError):  # the parent is gone
             inbox.put(("stop",))
             return
-        inbox.put(cmd)
-        if cmd[0] == "stop":
-            return
+        for cmd in cmds:
+            inbox.put(cmd)
+            if cmd[0] == "stop":
+                return
 
 
 def _picklable(e: BaseException) -> BaseException:

@@ -99,6 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
     from kvgate.engine.engine_core import freeze_gc_heap
+    from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
     from kvgate.gateway.app import create_app
     from kvgate.gateway.router_config import build_router
@@ -114,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             else:
                 # the server's heap stays for its lifetime: keep full GC collections (event-loop pauses) short
                 freeze_gc_heap()
+                if engine.in_process:  # the core's outputs reader thread gets the GIL within 1 ms of the event loop
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
                 c = engine.config
                 where = f"its own process (pid {engine.core_pid})" if engine.in_process else "a thread"
                 print(f"[kvgate] {name}: ready in {engine.load_time:.1f}s on {c.device}, engine core on {where} "
