@@ -12,7 +12,6 @@ one fixed random table, so the step is the engine's Python and little else. Gree
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pickle
 import random
@@ -30,19 +29,13 @@ from common import device_name  # noqa: E402
 from kvgate.engine import EngineArgs, LLMEngine, SamplingParams  # noqa: E402
 from kvgate.engine.sampling_params import RequestOutputKind  # noqa: E402
 
-SHAPE = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=32, bos_token_id=1, eos_token_id=2)
+STUB = os.path.join(HERE, "configs", "qwen3-stub")  # Qwen3-0.6B's config with one layer of width 64, 4,096 tokens
 
 
 def stub_model_dir(root: str) -> str:
-    """benchmarks/configs/qwen3-0.6b shrunk to SHAPE, with a byte-level dummy tokenizer of its vocabulary."""
-    with open(os.path.join(HERE, "configs", "qwen3-0.6b", "config.json")) as f:
-        config = {**json.load(f), **SHAPE}
-    config_dir, model_dir = os.path.join(root, "config"), os.path.join(root, "model")
-    os.makedirs(config_dir)
-    with open(os.path.join(config_dir, "config.json"), "w") as f:
-        json.dump(config, f)
-    dummy_tokenizer.main(config_dir, model_dir, byte_level=True)
+    """benchmarks/configs/qwen3-stub with a byte-level dummy tokenizer of its vocabulary."""
+    model_dir = os.path.join(root, "model")
+    dummy_tokenizer.main(STUB, model_dir, byte_level=True)
     return model_dir
 
 
@@ -59,7 +52,8 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=stub_model_dir(tempfile.mkdtemp(prefix="kvgate-host-")), load_format="dummy", dtype="float32",
         kv_cache_memory_bytes=1 << 27, max_num_seqs=seats, async_scheduling=False))
-    runner, vocab, hidden = engine.runner, SHAPE["vocab_size"], SHAPE["hidden_size"]
+    mc = engine.config.model_config
+    runner, vocab, hidden = engine.runner, mc.vocab_size, mc.hidden_size
     logits = torch.randn((seats, vocab), generator=torch.Generator().manual_seed(0))
     runner.model.forward = lambda ids, positions, intermediate=None: torch.zeros((ids.shape[0], hidden))
     runner.model.compute_logits = lambda h: logits[:h.shape[0]]

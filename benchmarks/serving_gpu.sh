@@ -10,10 +10,14 @@
 #     NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT                  # another model's shapes, on 2 GPUs
 #   PY_SPY=py-spy NUM_PROMPTS=3000 LEVELS=128 CONCURRENCY=200 bash benchmarks/serving_gpu.sh OUT   # + where the
 #     server's processes spend their time: py-spy --gil stacks (OUT/spy-PID.txt, 6 s from 3 s into the 128-token
-#     level) and each process's CPU seconds before and after that level
+#     level); each process's CPU seconds before and after that level are always printed
+#   CONFIG=benchmarks/configs/qwen3-stub VOCAB=4000 WORKERS=1 SERVE_FLAGS="--dtype float32 --engine-core-process" \
+#     LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=600 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # on a CPU: a
+#     one-layer model, for the server's own costs per request and per streamed token
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
+mkdir -p "$out"
 config=${CONFIG:-benchmarks/configs/qwen3-0.6b}
 model=$(mktemp -d)/$(basename "$config")-dummy
 port=${PORT:-8123}
@@ -23,7 +27,7 @@ server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
-bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab 100000 --workers 4"
+bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-4}"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
 pids="$server $(pgrep -P $server || true)"  # the API process and its children (the engine core's process among them)
@@ -32,10 +36,10 @@ if [[ -n ${PY_SPY:-} ]]; then
   for p in $pids; do
     (sleep 3; $PY_SPY record -p $p -r 250 -d 6 --gil -f raw -o "$out/spy-$p.txt" >/dev/null 2>&1) &
   done
-  echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
 fi
+echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
 [[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-1000} --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
-[[ -n ${PY_SPY:-} ]] && echo "CPU seconds after: $(cpu_s | tr '\n' ' ')"
+echo "CPU seconds after the 128-token level: $(cpu_s | tr '\n' ' ')"
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0

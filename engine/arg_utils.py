@@ -156,6 +156,9 @@ class EngineArgs:
     async_scheduling: bool | None = arg(None, "schedule and start each step while the device runs the one before "
                                               "(sampled tokens reach the host a step late; one rank only; default: "
                                               "on with CUDA and one rank)")
+    stream_interval: int = arg(1, "tokens a sample of a streamed request gathers before its output is sent (its "
+                                  "first tokens and its end go at once): fewer, larger chunks for the API process "
+                                  "to send at high concurrency", ge=1)
     skip_tokenizer_init: bool = arg(False, "load no tokenizer: prompts are token ids, outputs have no text")
     engine_core_process: bool | None = arg(None, "run the engine loop in a process of its own (default: on CUDA)")
     on_engine_core_death: str = arg("restart", "what happens when the engine core process dies (killed, out of "

@@ -128,6 +128,7 @@ class LLMEngine:
         self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
         self.output_prompts = True  # False: outputs leave prompt and prompt_token_ids None (the caller has them)
+        self.stream_interval = a.stream_interval
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -524,6 +525,16 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
+    def _held(self, req: Request) -> bool:
+        """stream_interval: whether a streamed request's output waits for more tokens. It goes once a sample has
+        stream_interval unsent tokens, has finished with unsent ones, or has sent none yet (the first token at once,
+        as vLLM's --stream-interval does); the output that goes carries every token held back."""
+        for seq in req.seqs:
+            unsent = seq.num_output_tokens - seq.sent_token_len
+            if unsent and (unsent >= self.stream_interval or not seq.sent_token_len or seq.is_finished):
+                return False
+        return True
+
     def _make_output(self, req: Request, force: bool = False) -> EngineOutput | None:
         if req.pooling_params is not None:  # only reached on abort: no embedding
             return self._pooling_output(req, [])
@@ -531,6 +542,9 @@ class LLMEngine:
         finished = req.finished
         kind = sp.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished and not force:
+            return None
+        if kind is RequestOutputKind.DELTA and self.stream_interval > 1 and not finished and not force \
+                and self._held(req):
             return None
         holdback = max(len(s) for s in sp.stop) - 1 if sp.stop else 0
         outs = []

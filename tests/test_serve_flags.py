@@ -58,6 +58,7 @@ FLAGS: dict[str, tuple[list[str], str]] = {
     "runner": (["--runner", "generate"], "generate"),
     "generation_config": (["--generation-config", "vllm"], "vllm"),
     "max_tokens_default": (["--max-tokens-default", "9"], "9"),
+    "stream_interval": (["--stream-interval", "3"], "3"),
     "enable_auto_tool_choice": (["--enable-auto-tool-choice"], "True"),
     "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
@@ -110,6 +111,13 @@ def test_every_flag_reaches_the_engine(tmp_path: Path, tiny_model_dirs: dict[str
         r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                            extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 9 and r.choices[0].finish_reason == "length"  # --max-tokens-default
+        asked = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                     extra_body={"ignore_eos": True})
+        whole = client.chat.completions.create(**asked).choices[0].message.content
+        stream = client.chat.completions.create(**asked, stream=True)
+        pieces = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+        assert "".join(pieces) == whole  # --stream-interval 3: nothing lost...
+        assert len(pieces) <= 4  # ...in at most 4 chunks of text for 9 tokens (1, 3, 3, 2), not 9
         with pytest.raises(openai.BadRequestError, match="logprobs must be <= 5"):  # --max-logprobs
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=2, logprobs=True, top_logprobs=6)
