@@ -99,8 +99,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvgate.engine.async_engine import AsyncEngineArgs, AsyncLLMEngine
     from kvgate.engine.engine_core import freeze_gc_heap
-    from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
+    from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S
     from kvgate.gateway.app import create_app
     from kvgate.gateway.router_config import build_router
     from kvgate.gateway.server import GatewayServer
