@@ -5,16 +5,18 @@ An eager step launches ~15 kernels per layer from Python (~40 with torch's small
 them all at once, so the GPU no longer waits on the host. A bucket (D, T) holds D decode rows, then T rows of prompt
 tokens (T = 0: a decode step). Decode steps use buckets of 1, 2, 4, 8, then every 16 up to max_num_seqs. Mixed
 steps (decodes next to prompts or prompt chunks, as a server meets with every new request) use buckets of 0, 16,
-32, 64, ... (powers of two below max_num_seqs) or max_num_seqs decode rows and 128, 256, ... 2048 prompt tokens of at
-most MAX_PREFILL_SEQS sequences; a step that does not fit one (a long prompt chunk: GEMM-bound, where launches matter
-less) runs eagerly. A step replays the smallest bucket that holds it: its decodes in rows [0, D), its prompt tokens
+32, 64, ... (powers of two below max_num_seqs) or max_num_seqs decode rows and 128, 256, ... 8192 prompt tokens (up
+to max_num_batched_tokens) of at most MAX_PREFILL_SEQS sequences: a burst of new requests next to running ones, as a
+server meets when many clients send at once, replays too. A step that does not fit one (a budget above 8192 tokens:
+GEMM-bound, where launches matter less) runs eagerly. A step replays the smallest bucket that holds it: its decodes in rows [0, D), its prompt tokens
 from row D on, the rows between them padding (slot -1: nothing stored; a padded decode row attends to one token, a
 padded prompt row to nothing) whose outputs are never read.
 
 Attention inside a graph cannot look at host values that change per step. It reads lengths from the device and
 splits every decode into partitions of a size fixed per bucket (`graph_partition_size`); partitions past a
-sequence's end exit at once. The prefill kernel's grid covers MAX_PREFILL_SEQS sequences of up to T tokens; the
-programs of absent sequences (no tokens) and of tiles past a sequence's tokens exit at once.
+sequence's end exit at once. The prefill kernel's grid covers the bucket's T token rows and MAX_PREFILL_SEQS
+sequences (a program per tile of rows, plus one spare per sequence: kernels/triton_prefill.py); absent sequences
+have no tokens, and the spare programs exit at once.
 
 A pipeline stage captures its own layers for decode steps: a stage after the first takes the previous stage's
 (hidden, residual) as inputs, copied into buffers of the graph, and a stage before the last returns its
@@ -38,8 +40,8 @@ from kvgate.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_PREFILL_SEQS = 16  # prompts (or chunks) of a mixed step that a graph serves
-PROMPT_TOKENS = (128, 256, 512, 1024, 2048)  # the prompt-token sizes of the mixed buckets
+MAX_PREFILL_SEQS = 64  # prompts (or chunks) of a mixed step that a graph serves
+PROMPT_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192)  # the prompt-token sizes of the mixed buckets
 MIXED_DECODES = (16, 32, 64, 128, 256, 512)  # and their decode sizes (besides 0 and max_num_seqs)
 
 Bucket = tuple[int, int]  # (decode rows, prompt-token rows)
@@ -53,7 +55,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[Bucket]:
     """The (decode rows, prompt tokens) buckets of mixed steps: a step has at most max_num_batched_tokens tokens."""
     decodes = [0] + [d for d in MIXED_DECODES if d < max_num_seqs] + [max_num_seqs]
-    prompts = [t for t in PROMPT_TOKENS if t < max_num_batched_tokens] or [max_num_batched_tokens]
+    prompts = [t for t in PROMPT_TOKENS if t <= max_num_batched_tokens] or [max_num_batched_tokens]
     return [(d, t) for d in decodes for t in prompts if d < max_num_batched_tokens]
 
 

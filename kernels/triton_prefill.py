@@ -6,10 +6,14 @@ through the block table (a prefix-cache hit or the earlier chunks of a chunked p
 new tokens up to itself, read from this step's k/v [num_tokens, kv_heads, head_dim] (contiguous rows, and a
 plain prefill never touches the cache).
 
-Grid (num_heads, num_seqs, cdiv(max_query_len, BLOCK_M)): one program per tile of BLOCK_M new tokens of one
-sequence and one query head (tiles past a sequence's q_len exit at once). The GPU starts programs in grid order,
-so every head and sequence of the last tile comes first: a later tile attends to more keys, and the long programs
-start first and the short ones fill the end (no long tail); a GQA group's heads run side by side on the same keys.
+Grid (num_heads, rows // BLOCK_M + num_seqs): one program per tile of BLOCK_M new tokens of one sequence and one
+query head. The tiles are numbered over the whole batch: sequence i owns the numbers from
+query_start_loc[i] // BLOCK_M + i on (at least one more than its tiles; the spare ones exit at once), and a program
+finds its sequence by a binary search of those starts. So the grid grows with the step's tokens, not with its
+sequence count times its longest prompt: a CUDA graph's grid, sized for the most sequences and tokens a bucket
+holds, launches few programs that have nothing to do. Within a sequence the last tile (the most keys) has the
+lowest number, and the GPU starts programs in grid order: the long programs start first and the short ones fill
+the end (no long tail); a GQA group's heads run side by side on the same keys.
 A program's keys come in three phases: A the cached prefix (whole tiles without masks, then a masked tail), B the new
 tokens before the tile (whole tiles, no masks, since BLOCK_M is a multiple of BLOCK_N), C the diagonal with the
 causal mask.
@@ -38,23 +42,40 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 
 # not specialized on values that change per step (block-table width) nor on the alignment of the index pointers,
 # which are slices past the step's decodes: see triton_decode._STEP_VALUES
-@triton.jit(do_not_specialize=["stride_bt"],
+@triton.jit
+def _tile_base(query_start_loc_ptr, i, BLOCK_M: tl.constexpr):
+    """The first tile number of sequence i (see the module's docstring)."""
+    return tl.load(query_start_loc_ptr + i) // BLOCK_M + i
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"],
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-    qk_scale,
+    qk_scale, num_seqs,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
-    seq = tl.program_id(1)
-    tile_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # the longest tiles first
+    tile = tl.program_id(1)
+    lo = tile * 0  # the last sequence whose first tile number is <= tile: binary search over [lo, hi)
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _tile_base(query_start_loc_ptr, mid, BLOCK_M) <= tile:
+            lo = mid
+        else:
+            hi = mid
+    seq = lo
+    if tile < _tile_base(query_start_loc_ptr, seq, BLOCK_M):
+        return  # before the first sequence's tiles (its rows start past row 0)
+    tile_start = (_tile_base(query_start_loc_ptr, seq + 1, BLOCK_M) - 1 - tile) * BLOCK_M  # the longest first
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile_start >= q_len:
-        return
+    if tile_start < 0 or tile_start >= q_len:
+        return  # past the last sequence's tiles, or a spare number of this one
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # tokens cached before this step's
     kvh = head // GROUP
     offs_m = tile_start + tl.arange(0, BLOCK_M)
@@ -134,10 +155,10 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     if block_m % block_n:
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")
     upcast = use_upcast(k_cache.dtype)
-    grid = (num_heads, num_seqs, triton.cdiv(max_query_len, block_m))
+    grid = (num_heads, q.shape[0] // block_m + num_seqs)  # every tile number a sequence may own (module docstring)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), num_seqs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),

@@ -86,7 +86,12 @@ def test_bucket_choice() -> None:
     assert graphs.bucket(md(0, 1), 100) == (0, 128)
     assert graphs.bucket(md(200, 202), 200 + 256) == (256, 256)
     assert graphs.bucket(md(17, 19), 17 + 129) == (32, 256)
-    assert graphs.bucket(md(1, 2), 1 + 2049) is None  # a long prompt chunk
+    assert graphs.bucket(md(1, 2), 1 + 2049) == (16, 4096)
+    assert graphs.bucket(md(150, 200), 8192) == (256, 8192)  # a burst of 50 prompts next to running requests
+    small_budget = cuda_graph.StepGraphs(torch.nn.Identity(), None, 256, 4096, 16, 8, torch.float32,
+                                         torch.device("cpu"), lambda n: 256, max_num_batched_tokens=3000,
+                                         capture=False)
+    assert small_budget.bucket(md(1, 2), 1 + 2049) is None  # a prompt chunk above the largest bucket in the budget
     assert graphs.bucket(md(1, 1 + cuda_graph.MAX_PREFILL_SEQS + 1), 40) is None  # too many prompts
     decode_only = cuda_graph.StepGraphs(torch.nn.Identity(), None, 256, 4096, 16, 8, torch.float32,
                                         torch.device("cpu"), lambda n: 256, capture=False)

@@ -197,6 +197,39 @@ def test_paged_prefill_matches_ref(bs: int, group: int, d: int, dtype: torch.dty
     assert_close(out, ref, dtype)
 
 
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_paged_prefill_finds_each_tiles_sequence(block_m: int) -> None:
+    """A CUDA graph's layout: the prompts' rows start after D decode rows, padding rows follow them, and absent
+    sequences (no tokens) fill the grid's sequence count. Every tile finds its sequence (nine prompts of 1 to 70
+    tokens, several tiles each at block_m 16, starts that are not multiples of block_m); nothing outside the
+    prompts' rows is written."""
+    bs, kvh, group, d, dtype = 16, 2, 2, 32, torch.float32
+    cached = [0, 5, 0, 16, 0, 3, 0, 0, 40]
+    new = [17, 1, 33, 16, 70, 2, 15, 49, 9]
+    lens = [c + n for c, n in zip(cached, new)]
+    p = Paged(lens, bs, kvh, d, dtype, seed=block_m)
+    decodes, padding, absent = 5, 11, 4
+    starts = [decodes]
+    for n in new:
+        starts.append(starts[-1] + n)
+    rows = starts[-1] + padding
+    starts_abs = starts + [starts[-1]] * absent  # absent sequences: no tokens
+    table = torch.cat([p.table, torch.zeros(absent, p.table.shape[1], dtype=torch.int32)])
+    seq_lens = torch.tensor(lens + [1] * absent, dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(rows, kvh * group, d, generator=g)
+    k_new = torch.randn(rows, kvh, d, generator=g)
+    v_new = torch.randn(rows, kvh, d, generator=g)
+    prompt_rows = slice(decodes, starts[-1])
+    k_new[prompt_rows] = torch.cat([k[c:] for k, c in zip(p.ks, cached)])
+    v_new[prompt_rows] = torch.cat([v[c:] for v, c in zip(p.vs, cached)])
+    out = paged_prefill(q, k_new, v_new, p.k_nan, p.v_nan, table, torch.tensor(starts_abs, dtype=torch.int32),
+                        seq_lens, max(new), d ** -0.5, out=nan_like(q), block_m=block_m, block_n=16)
+    ref = paged_prefill_ref(q[prompt_rows], p.k_ref, p.v_ref, p.table, [s - decodes for s in starts], lens, d ** -0.5)
+    assert_close(out[prompt_rows], ref, dtype)
+    assert out[:decodes].isnan().all() and out[starts[-1]:].isnan().all()  # decode and padding rows untouched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_backend_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
     """Three decodes then three prefills (fresh, chunk after a cached prefix, padding tokens with slot -1):
