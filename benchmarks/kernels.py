@@ -183,7 +183,7 @@ def sweep_decode(h: int, kvh: int, d: int, dtype: torch.dtype, batches: list[int
             auto = bench(lambda: paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5, ctx, out))
             row = {"batch": b, "ctx": ctx, "auto_us": round(auto * 1e3, 1)}
             best = (auto, "auto")
-            for part in (128, 256, 512, 1024):
+            for part in (128, 192, 256, 320, 384, 512, 768, 1024):  # multiples of 64 between the powers of two too
                 if ctx // part > 128:
                     continue
                 for cfg in configs:
