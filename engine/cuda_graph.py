@@ -7,10 +7,10 @@ tokens (T = 0: a decode step). Decode steps use buckets of 1, 2, 4, 8, then ever
 steps (decodes next to prompts or prompt chunks, as a server meets with every new request) use buckets of 0, 16,
 32, 64, ... (powers of two below max_num_seqs) or max_num_seqs decode rows and 128, 256, ... 8192 prompt tokens (up
 to max_num_batched_tokens) of at most MAX_PREFILL_SEQS sequences: a burst of new requests next to running ones, as a
-server meets when many clients send at once, replays too. A step that does not fit one (a budget above 8192 tokens:
-GEMM-bound, where launches matter less) runs eagerly. A step replays the smallest bucket that holds it: its decodes in rows [0, D), its prompt tokens
-from row D on, the rows between them padding (slot -1: nothing stored; a padded decode row attends to one token, a
-padded prompt row to nothing) whose outputs are never read.
+server meets when many clients send at once, replays too. A step that does not fit one (a chunk of a budget above
+8192 tokens: GEMM-bound, where launches matter less) runs eagerly. A step replays the smallest bucket that holds it:
+its decodes in rows [0, D), its prompt tokens from row D on, the rows between them padding (slot -1: nothing
+stored; a padded decode row attends to one token, a padded prompt row to nothing) whose outputs are never read.
 
 Attention inside a graph cannot look at host values that change per step. It reads lengths from the device and
 splits every decode into partitions of a size fixed per bucket (`graph_partition_size`); partitions past a

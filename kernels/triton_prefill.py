@@ -9,9 +9,10 @@ plain prefill never touches the cache).
 Grid (num_heads, rows // BLOCK_M + num_seqs): one program per tile of BLOCK_M new tokens of one sequence and one
 query head. The tiles are numbered over the whole batch: sequence i owns the numbers from
 query_start_loc[i] // BLOCK_M + i on (at least one more than its tiles; the spare ones exit at once), and a program
-finds its sequence by a binary search of those starts. So the grid grows with the step's tokens, not with its
-sequence count times its longest prompt: a CUDA graph's grid, sized for the most sequences and tokens a bucket
-holds, launches few programs that have nothing to do. Within a sequence the last tile (the most keys) has the
+finds its sequence by counting the sequences whose numbers start at or below its own (one vector load for up to
+SEQ_CHUNK sequences). So the grid grows with the step's tokens, not with its sequence count times its longest
+prompt: a CUDA graph's grid, sized for the most sequences and tokens a bucket holds, launches few programs that have
+nothing to do. Within a sequence the last tile (the most keys) has the
 lowest number, and the GPU starts programs in grid order: the long programs start first and the short ones fill
 the end (no long tail); a GQA group's heads run side by side on the same keys.
 A program's keys come in three phases: A the cached prefix (whole tiles without masks, then a masked tail), B the new
@@ -26,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvgate.kernels.triton_decode import attend_tile, cache_slots, dot_precision, use_upcast
+from kvgate.kernels.triton_decode import attend_tile, cache_slots, dot_precision, row_sum, use_upcast
+
+SEQ_CHUNK = 64  # sequence starts a program reads at once to find its sequence
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -57,19 +60,16 @@ def _prefill_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
-    lo = tile * 0  # the last sequence whose first tile number is <= tile: binary search over [lo, hi)
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _tile_base(query_start_loc_ptr, mid, BLOCK_M) <= tile:
-            lo = mid
-        else:
-            hi = mid
-    seq = lo
-    if tile < _tile_base(query_start_loc_ptr, seq, BLOCK_M):
+    seq = tile * 0 - 1  # the last sequence whose first tile number is <= tile: count the sequences that start there
+    for c0 in range(0, num_seqs, SEQ_CHUNK):  # (one chunk, one load, for up to SEQ_CHUNK sequences)
+        i = c0 + tl.arange(0, SEQ_CHUNK)
+        starts = tl.load(query_start_loc_ptr + i, mask=i < num_seqs, other=0) // BLOCK_M + i
+        seq += row_sum(((starts <= tile) & (i < num_seqs)).to(tl.int32), 0)
+    if seq < 0:
         return  # before the first sequence's tiles (its rows start past row 0)
     tile_start = (_tile_base(query_start_loc_ptr, seq + 1, BLOCK_M) - 1 - tile) * BLOCK_M  # the longest first
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -164,6 +164,7 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         D_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=upcast,
-        DOT_PRECISION=dot_precision(k_cache.dtype, upcast), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(k_cache.dtype, upcast), SEQ_CHUNK=SEQ_CHUNK, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

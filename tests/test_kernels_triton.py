@@ -22,7 +22,7 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvgate.kernels import triton_decode  # noqa: E402
+from kvgate.kernels import triton_decode, triton_prefill  # noqa: E402
 from kvgate.kernels.metadata import AttentionMetadata  # noqa: E402
 from kvgate.kernels.registry import get_attention_backend, registered_kernels  # noqa: E402
 from kvgate.kernels.torch_ref import (  # noqa: E402
@@ -197,12 +197,13 @@ def test_paged_prefill_matches_ref(bs: int, group: int, d: int, dtype: torch.dty
     assert_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_paged_prefill_finds_each_tiles_sequence(block_m: int) -> None:
+@pytest.mark.parametrize("block_m,seq_chunk", [(16, 64), (32, 64), (16, 4)])
+def test_paged_prefill_finds_each_tiles_sequence(block_m: int, seq_chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA graph's layout: the prompts' rows start after D decode rows, padding rows follow them, and absent
     sequences (no tokens) fill the grid's sequence count. Every tile finds its sequence (nine prompts of 1 to 70
-    tokens, several tiles each at block_m 16, starts that are not multiples of block_m); nothing outside the
-    prompts' rows is written."""
+    tokens, several tiles each at block_m 16, starts that are not multiples of block_m; the sequences' starts read
+    in one chunk or in four); nothing outside the prompts' rows is written."""
+    monkeypatch.setattr(triton_prefill, "SEQ_CHUNK", seq_chunk)
     bs, kvh, group, d, dtype = 16, 2, 2, 32, torch.float32
     cached = [0, 5, 0, 16, 0, 3, 0, 0, 40]
     new = [17, 1, 33, 16, 70, 2, 15, 49, 9]
