@@ -232,20 +232,20 @@ def parts_pad(num_parts: int) -> int:
     return triton.next_power_of_2(max(num_parts, MAX_PARTITIONS))
 
 
-_COUNTS: dict[torch.device, torch.Tensor] = {}
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_counts(device: torch.device, n: int) -> torch.Tensor:
     """The device's zeroed counters of split decodes (one per sequence and KV head; each launch leaves them at 0).
-    One buffer for every launch: a CUDA graph keeps the buffer it captured, so it grows only outside a capture."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
+    One buffer for every launch (the kernels of a device run one after another). A CUDA graph keeps the buffer it
+    captured: a larger one is made only outside a capture, and the smaller ones stay allocated."""
+    buffers = _COUNTS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{n} split-decode counters needed while capturing a CUDA graph; have "
-                               f"{0 if counts is None else counts.numel()}")
-        counts = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-        _COUNTS[device] = counts
-    return counts
+                               f"{buffers[-1].numel() if buffers else 0}")
+        buffers.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def interpreted() -> bool:
