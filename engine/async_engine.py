@@ -33,7 +33,7 @@ from kvgate.engine.core_process import RESTART_WINDOW_S, CoreProcess, RestartBud
 from kvgate.engine.engine_core import CoreOutputs, EngineCore, merge_core_outputs
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from kvgate.engine.output_stream import RequestOutputStream, push_on_loop, settle
-from kvgate.engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from kvgate.engine.outputs import EngineOutput, PoolingRequestOutput, RequestOutput, from_delta_tuple
 from kvgate.engine.pipe_reader import PipeReader
 from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
@@ -390,6 +390,8 @@ class AsyncLLMEngine:
             self.stats = out.stats  # before the outputs go out: a caller that saw them sees these stats
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestOutputStream, EngineOutput | BaseException]]] = {}
         for o in out.outputs:
+            if type(o) is tuple:  # a streamed output as the core's process sends it
+                o = from_delta_tuple(o)
             stream = self._streams.get(o.request_id)
             if stream is None:
                 continue

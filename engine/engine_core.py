@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from kvgate.engine.config import EngineArgs
 from kvgate.engine.llm_engine import LLMEngine
-from kvgate.engine.outputs import EngineOutput
+from kvgate.engine.outputs import DeltaTuple, EngineOutput
 from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S, PipeReader
 from kvgate.engine.stats import EngineStats, snapshot
 
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CoreOutputs:
-    outputs: list[EngineOutput] = field(default_factory=list)
+    outputs: list[EngineOutput | DeltaTuple] = field(default_factory=list)
     failed: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it ended)
     results: list[tuple[int, BaseException | None, Any]] = field(default_factory=list)  # (call id, error, value)
     stats: EngineStats | None = None
@@ -138,6 +138,7 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
     try:
         engine = LLMEngine.from_engine_args(args)
         engine.output_prompts = False  # the API process keeps each request's prompt and fills it in
+        engine.delta_tuples = True  # and makes the streamed outputs' RequestOutputs
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("load_error", _picklable(e)))
         return

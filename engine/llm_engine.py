@@ -17,8 +17,8 @@ from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.detokenizer import byte_table, check_stop_strings, detokenize_incrementally, init_offsets
 from kvgate.engine.executor import Executor
 from kvgate.engine.kv_offload import OffloadTier
-from kvgate.engine.outputs import CompletionOutput, EngineOutput, Logprob, PoolingOutput, PoolingRequestOutput, \
-    RequestOutput
+from kvgate.engine.outputs import CompletionOutput, DeltaTuple, EngineOutput, Logprob, PoolingOutput, \
+    PoolingRequestOutput, RequestOutput
 from kvgate.engine.pooler import Pooler
 from kvgate.engine.pooling_params import PoolerConfig, PoolingParams, check_runner
 from kvgate.engine.sampler import SampledTokens, Sampler, to_device
@@ -128,6 +128,7 @@ class LLMEngine:
         self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
         self.output_prompts = True  # False: outputs leave prompt and prompt_token_ids None (the caller has them)
+        self.delta_tuples = False  # True (the core's process): one-sample DELTA outputs as DeltaTuples (outputs.py)
         self.stream_interval = a.stream_interval
 
     @classmethod
@@ -214,7 +215,7 @@ class LLMEngine:
                              f"{self.max_model_len} tokens (at most {self.max_model_len - 1} prompt tokens, "
                              f"leaving room for one output token)")
 
-    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput]:
+    def abort_request(self, request_id: str | Iterable[str]) -> list[EngineOutput | DeltaTuple]:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         outs = []
         for rid in ids:
@@ -262,12 +263,12 @@ class LLMEngine:
         self.executor.shutdown()
 
     # ---- the step -----------------------------------------------------------------------------------------------
-    def step(self) -> list[EngineOutput]:
+    def step(self) -> list[EngineOutput | DeltaTuple]:
         """Schedule and start a step, complete the oldest started one (its sampled tokens appended, stop checks,
         outputs) and return its outputs. Up to `depth` steps are in flight: with pipeline stages one per stage over
         sequences not already in flight (vLLM's virtual engines); with async scheduling two, the newer one started
         before the older one's tokens reached the host. A call that started a step while there was room for another
-        returns []."""
+        returns []. With `delta_tuples` (the engine core's process), one-sample DELTA outputs come as DeltaTuples."""
         so = self.structured_output_manager
         if so.waiting:
             self._release_guided()
@@ -535,7 +536,7 @@ class LLMEngine:
                 return False
         return True
 
-    def _make_output(self, req: Request, force: bool = False) -> EngineOutput | None:
+    def _make_output(self, req: Request, force: bool = False) -> EngineOutput | DeltaTuple | None:
         if req.pooling_params is not None:  # only reached on abort: no embedding
             return self._pooling_output(req, [])
         sp = req.sampling_params
@@ -547,19 +548,18 @@ class LLMEngine:
                 and self._held(req):
             return None
         holdback = max(len(s) for s in sp.stop) - 1 if sp.stop else 0
+        if self.delta_tuples and kind is RequestOutputKind.DELTA and sp.logprobs is None and len(req.seqs) == 1:
+            seq = req.seqs[0]  # hot: once per request and step when streaming
+            text, tokens, _ = _take_delta(seq, holdback, None)
+            return (req.request_id, seq.index, text, tokens, seq.finish_reason, seq.stop_reason, finished or force,
+                    req.num_cached_tokens or 0, req.arrival_time, req.first_token_time)
         outs = []
-        for seq in req.seqs:  # hot: once per request and step when streaming
-            done = seq.status is SequenceStatus.FINISHED
-            end = len(seq.text) if done or not holdback else max(0, len(seq.text) - holdback)
+        for seq in req.seqs:
             logprobs = seq.logprobs if sp.logprobs is not None else None
             if kind is RequestOutputKind.DELTA:
-                first = seq.num_prompt_tokens + seq.sent_token_len
-                text, tokens = seq.text[seq.sent_text_len:end], seq.token_ids[first:]
-                logprobs = logprobs[seq.sent_token_len:] if logprobs is not None else None
-                seq.sent_text_len += len(text)
-                seq.sent_token_len += len(tokens)
+                text, tokens, logprobs = _take_delta(seq, holdback, logprobs)
             else:
-                text, tokens = seq.text[:end], seq.output_token_ids
+                text, tokens = seq.text[:_shown(seq, holdback)], seq.output_token_ids
             outs.append(CompletionOutput(seq.index, text, tokens,
                                          seq.cumulative_logprob if sp.logprobs is not None else None,
                                          logprobs, seq.finish_reason, seq.stop_reason))
@@ -571,3 +571,21 @@ class LLMEngine:
                                  metrics)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished or force,
                              req.num_cached_tokens or 0, metrics)
+
+
+def _shown(seq: Sequence, holdback: int) -> int:
+    """How much of seq's text may be shown: all once it finished, else all but the last `holdback` characters (a stop
+    string may still be forming there)."""
+    if not holdback or seq.status is SequenceStatus.FINISHED:
+        return len(seq.text)
+    return max(0, len(seq.text) - holdback)
+
+
+def _take_delta(seq: Sequence, holdback: int, logprobs: list | None) -> tuple[str, list[int], list | None]:
+    """seq's text, tokens and logprobs (when given) not sent yet, marked sent."""
+    first = seq.num_prompt_tokens + seq.sent_token_len
+    text, tokens = seq.text[seq.sent_text_len:_shown(seq, holdback)], seq.token_ids[first:]
+    logprobs = logprobs[seq.sent_token_len:] if logprobs is not None else None
+    seq.sent_text_len += len(text)
+    seq.sent_token_len += len(tokens)
+    return text, tokens, logprobs

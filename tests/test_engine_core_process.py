@@ -122,3 +122,57 @@ def test_the_restart_budget_counts_the_restarts_within_its_window() -> None:
     assert budget.take(60.5) and budget.used == 2  # the first restart has left the window
     assert budget.spent() == "2 restarts within 60 s already"
     assert not RestartBudget(0).take(0.0) and RestartBudget(0).spent() == "max_engine_core_restarts is 0"
+
+
+def test_the_core_processs_delta_tuples_make_the_same_outputs(tiny_llama: str) -> None:
+    """The core's process streams one-sample DELTA outputs as plain tuples (outputs.DeltaTuple); the API process
+    makes RequestOutputs of them equal to the engine's own: text held back while a stop string may form, a stop
+    string's end, a shared prefix's cached tokens, an abort's last output. Other kinds stay objects."""
+    from sampling_helpers import PROMPTS
+
+    from kvgate.engine import LLM
+    from kvgate.engine.outputs import from_delta_tuple
+
+    delta = RequestOutputKind.DELTA
+    shared = (PROMPTS[0] * 20)[:40]  # two whole blocks and more
+    probe = LLM(tiny_llama, dtype="float32", seed=0).generate([PROMPTS[1]], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    stop = probe[len(probe) // 2:len(probe) // 2 + 3]  # a stop string the greedy text meets halfway
+
+    def run(delta_tuples: bool) -> list:
+        engine = LLM(tiny_llama, dtype="float32", seed=0).engine
+        engine.output_prompts, engine.delta_tuples = False, delta_tuples
+        reqs = [("plain", shared, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, output_kind=delta)),
+                ("stop", PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=delta,
+                                                    stop=[stop])),
+                ("n2", PROMPTS[2], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True, output_kind=delta)),
+                ("final", PROMPTS[3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+                ("aborted", PROMPTS[4], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
+                                                       output_kind=delta))]
+        for rid, prompt, sp in reqs:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+        got, steps = [], 0
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            got += outs
+            steps += 1
+            if steps == 4:
+                got += engine.abort_request("aborted")
+            if any((o[0], o[6]) == ("plain", True) if isinstance(o, tuple) else (o.request_id, o.finished)
+                   == ("plain", True) for o in outs):  # its prompt's blocks are in the prefix cache now
+                engine.add_request("prefix", {"prompt_token_ids": shared + [7, 8]}, SamplingParams(
+                    temperature=0, max_tokens=3, ignore_eos=True, output_kind=delta))
+        kinds = {type(o).__name__ for o in got}
+        assert kinds == ({"tuple", "RequestOutput"} if delta_tuples else {"RequestOutput"}), kinds
+        outs = [from_delta_tuple(o) if isinstance(o, tuple) else o for o in got]
+        for o in outs:
+            assert set(o.metrics) <= {"arrival_time", "first_token_time"} and "arrival_time" in o.metrics
+            o.metrics = {k: 0 for k in o.metrics}  # times of day differ between the runs
+        return outs
+
+    objects, tuples = run(False), run(True)
+    assert tuples == objects
+    last = {o.request_id: o for o in objects}
+    assert last["prefix"].num_cached_tokens == 32 and last["aborted"].outputs[0].finish_reason == "abort"
+    assert last["stop"].outputs[0].stop_reason == stop and stop not in "".join(
+        o.outputs[0].text for o in objects if o.request_id == "stop")
