@@ -6,10 +6,8 @@ group. It walks the tokens of its partition [part * partition_size, (part + 1) *
 TILE_N tokens (whole tiles without masks, then a masked tail), each token's K/V row found through the block
 table, and keeps a running max / sum / output in
 fp32 (online softmax, base 2). With one partition the program normalises and writes the output directly;
-otherwise it writes a normalised partial output plus its max and sum and counts itself done on a counter of its
-(sequence, KV head); the program that counts last merges the partitions of its heads by log-sum-exp and puts the
-counter back to 0 (one launch: no second kernel waits behind the first, which at batch 1 is a good part of the
-time). The counters live in one zeroed buffer per device that stays put, so CUDA graphs replay the same one.
+otherwise it writes a normalised partial output plus its max and sum, and `_reduce_kernel` merges the
+partitions of each (sequence, head) by log-sum-exp.
 
 `cache_slots` (where a tile's tokens live in the paged cache) and `attend_tile` (one K/V tile, one
 online-softmax update) are shared with the prefill kernel.
@@ -105,12 +103,12 @@ _INDEX_POINTERS = ["block_tables_ptr", "seq_lens_ptr"]
 @triton.jit(do_not_specialize=_STEP_VALUES, do_not_specialize_on_alignment=_INDEX_POINTERS)
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, counts_ptr,
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
     qk_scale, partition_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, PARTS_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    D_PAD: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -159,28 +157,32 @@ def _decode_kernel(
         tl.store(part_max_ptr + idx, m_i, mask=g_mask)
         tl.store(part_sum_ptr + idx, l_i, mask=g_mask)
         tl.store(part_out_ptr + idx[:, None] * D_PAD + offs_d[None, :], out, mask=row_mask)
-        # count this partition done; the last one merges (the threadfence-reduction pattern: every thread's
-        # stores, then one release/acquire atomic, then reads from L2, where the other programs' stores are)
-        tl.debug_barrier()
-        count_ptr = counts_ptr + seq64 * tl.num_programs(1) + kvh
-        used = (seq_len + partition_size - 1) // partition_size
-        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == used - 1:
-            tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (a graph replays the same counters)
-            offs_p = tl.arange(0, PARTS_PAD)
-            p_mask = offs_p < used
-            for g in tl.static_range(GROUP):
-                pidx = (seq64 * num_heads + kvh * GROUP + g) * num_parts + offs_p
-                part_max = tl.load(part_max_ptr + pidx, mask=p_mask, other=float("-inf"), cache_modifier=".cg")
-                part_sum = tl.load(part_sum_ptr + pidx, mask=p_mask, other=0.0, cache_modifier=".cg")
-                weight = part_sum * tl.exp2(part_max - row_max(part_max, 0))  # 0 for unused partitions
-                part_out = tl.load(part_out_ptr + pidx[:, None] * D_PAD + offs_d[None, :], mask=p_mask[:, None],
-                                   other=0.0, cache_modifier=".cg")
-                merged = row_sum(part_out * weight[:, None], 0) / row_sum(weight, 0)
-                tl.store(out_ptr + seq64 * stride_ot + (kvh * GROUP + g) * stride_oh + offs_d,
-                         merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
     else:
         tl.store(out_ptr + seq64 * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["partition_size", "num_parts"], do_not_specialize_on_alignment=["seq_lens_ptr"])
+def _reduce_kernel(
+    out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, seq_lens_ptr, partition_size, num_parts, stride_ot,
+    stride_oh, PARTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used = (seq_len + partition_size - 1) // partition_size
+    offs_p = tl.arange(0, PARTS_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    p_mask = offs_p < used
+    idx = (seq * num_heads + head) * num_parts + offs_p
+    part_max = tl.load(part_max_ptr + idx, mask=p_mask, other=float("-inf"))
+    part_sum = tl.load(part_sum_ptr + idx, mask=p_mask, other=0.0)
+    weight = part_sum * tl.exp2(part_max - row_max(part_max, 0))  # 0 for unused partitions
+    part_out = tl.load(part_out_ptr + idx[:, None] * D_PAD + offs_d[None, :], mask=p_mask[:, None], other=0.0)
+    out = row_sum(part_out * weight[:, None], 0) / row_sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @functools.lru_cache(maxsize=None)
@@ -227,25 +229,9 @@ def graph_partition_size(num_seqs: int, num_kv_heads: int, max_model_len: int, d
 
 
 def parts_pad(num_parts: int) -> int:
-    """The merge's partition tile: one size for every count up to MAX_PARTITIONS, so that a server does not
-    compile a new variant (about a second each on the GPU) whenever a step's partition count changes."""
+    """The reduce kernel's partition tile: one size for every count up to MAX_PARTITIONS, so that a server does
+    not compile a new variant (about a second each on the GPU) whenever a step's partition count changes."""
     return triton.next_power_of_2(max(num_parts, MAX_PARTITIONS))
-
-
-_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_counts(device: torch.device, n: int) -> torch.Tensor:
-    """The device's zeroed counters of split decodes (one per sequence and KV head; each launch leaves them at 0).
-    One buffer for every launch (the kernels of a device run one after another). A CUDA graph keeps the buffer it
-    captured: a larger one is made only outside a capture, and the smaller ones stay allocated."""
-    buffers = _COUNTS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{n} split-decode counters needed while capturing a CUDA graph; have "
-                               f"{buffers[-1].numel() if buffers else 0}")
-        buffers.append(torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def interpreted() -> bool:
@@ -298,17 +284,22 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         part_max = torch.empty((num_seqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
         part_out = torch.empty((num_seqs, num_heads, num_parts, d_pad), dtype=torch.float32, device=q.device)
-        counts = split_counts(q.device, num_seqs * num_kv_heads)
     else:
-        part_max = part_sum = part_out = counts = out  # unused
+        part_max = part_sum = part_out = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum, counts,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
         scale * math.log2(math.e), partition_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        D_PAD=d_pad, TILE_N=tile_n, SPLIT=split, PARTS_PAD=parts_pad(num_parts) if split else 1, UPCAST=upcast,
-        DOT_PRECISION=dot_precision(k_cache.dtype, upcast), num_warps=num_warps, num_stages=num_stages,
+        D_PAD=d_pad, TILE_N=tile_n, SPLIT=split, UPCAST=upcast, DOT_PRECISION=dot_precision(k_cache.dtype, upcast),
+        num_warps=num_warps, num_stages=num_stages,
     )
+    if split:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_max, part_sum, seq_lens, partition_size, num_parts, out.stride(0), out.stride(1),
+            PARTS_PAD=parts_pad(num_parts), HEAD_DIM=head_dim, D_PAD=d_pad,
+            num_warps=4,
+        )
     return out

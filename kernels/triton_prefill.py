@@ -12,9 +12,9 @@ query_start_loc[i] // BLOCK_M + i on (at least one more than its tiles; the spar
 finds its sequence by counting the sequences whose numbers start at or below its own (one vector load for up to
 SEQ_CHUNK sequences). So the grid grows with the step's tokens, not with its sequence count times its longest
 prompt: a CUDA graph's grid, sized for the most sequences and tokens a bucket holds, launches few programs that have
-nothing to do. Within a sequence the last tile (the most keys) has the
-lowest number, and the GPU starts programs in grid order: the long programs start first and the short ones fill
-the end (no long tail); a GQA group's heads run side by side on the same keys.
+nothing to do. Within a sequence the last tile (the most keys) has the lowest number, and the GPU starts programs
+in grid order: a sequence's long programs start first and its short ones fill the end (no long tail); a GQA
+group's heads run side by side on the same keys.
 A program's keys come in three phases: A the cached prefix (whole tiles without masks, then a masked tail), B the new
 tokens before the tile (whole tiles, no masks, since BLOCK_M is a multiple of BLOCK_N), C the diagonal with the
 causal mask.

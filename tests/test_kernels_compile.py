@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-KERNELS = {"_decode_kernel", "_prefill_kernel", "_store_kvcache_kernel", "_rms_norm_kernel",
+KERNELS = {"_decode_kernel", "_reduce_kernel", "_prefill_kernel", "_store_kvcache_kernel", "_rms_norm_kernel",
            "_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel"}
 
 

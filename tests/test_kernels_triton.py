@@ -264,22 +264,8 @@ def test_backend_mixed_batch_matches_torch_backend(dtype: torch.dtype) -> None:
     assert_close(out, ref, dtype)
 
 
-def test_split_decode_merges_in_one_launch_and_leaves_its_counters_at_zero() -> None:
-    """The last partition of each (sequence, KV head) to finish merges them: the counters it counts on are back at
-    0 after every launch, so the next launch (or a graph's replay) with other lengths merges right too."""
-    lens = [300, 17, 129, 64]
-    p = Paged(lens, 16, 2, 32, torch.float32, seed=11)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    for seed in (1, 2):
-        q = torch.randn(4, 4, 32, generator=torch.Generator().manual_seed(seed))
-        out = paged_decode(q, p.k_nan, p.v_nan, p.table, seq_lens, 0.2, max(lens), out=nan_like(q), partition_size=32)
-        assert_close(out, paged_decode_ref(q, p.k_ref, p.v_ref, p.table, seq_lens, 0.2), torch.float32)
-        assert not triton_decode.split_counts(torch.device("cpu"), 8).any()
-        seq_lens = torch.tensor([40, 17, 1, 33], dtype=torch.int32)  # shorter: other partition counts
-
-
-def test_merge_has_one_variant_for_every_partition_count() -> None:
-    """A server must not compile a new decode kernel whenever a step's partition count changes."""
+def test_reduce_kernel_has_one_variant_for_every_partition_count() -> None:
+    """A server must not compile a new reduce kernel whenever a step's partition count changes."""
     assert {triton_decode.parts_pad(n) for n in range(1, triton_decode.MAX_PARTITIONS + 1)} == {
         triton_decode.MAX_PARTITIONS}
     assert triton_decode.parts_pad(triton_decode.MAX_PARTITIONS + 1) == 2 * triton_decode.MAX_PARTITIONS
