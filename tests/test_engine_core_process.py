@@ -145,7 +145,8 @@ def test_the_core_processs_delta_tuples_make_the_same_outputs(tiny_llama: str) -
         reqs = [("plain", shared, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, output_kind=delta)),
                 ("stop", PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, output_kind=delta,
                                                     stop=[stop])),
-                ("n2", PROMPTS[2], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True, output_kind=delta)),
+                ("n2", PROMPTS[2], SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True,
+                                                  output_kind=delta)),
                 ("final", PROMPTS[3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
                 ("aborted", PROMPTS[4], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True,
                                                        output_kind=delta))]
