@@ -8,6 +8,7 @@ one fixed random table, so the step is the engine's Python and little else. Gree
 
   python benchmarks/host_step.py                          # 200 streams, 128 in / 128 out: ms a step
   python benchmarks/host_step.py --streams 64 --profile   # cProfile of the timed steps
+  python benchmarks/host_step.py --objects                # the outputs as RequestOutput objects, not tuples
 """
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="timed steps per run (after as many untimed)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the timed steps")
+    ap.add_argument("--objects", action="store_true", help="outputs as RequestOutput objects (before DeltaTuple)")
     args = ap.parse_args()
     seats = max(256, args.streams)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=stub_model_dir(tempfile.mkdtemp(prefix="kvgate-host-")), load_format="dummy", dtype="float32",
         kv_cache_memory_bytes=1 << 27, max_num_seqs=seats, async_scheduling=False))
+    engine.output_prompts, engine.delta_tuples = False, not args.objects  # as in the core's process
     mc = engine.config.model_config
     runner, vocab, hidden = engine.runner, mc.vocab_size, mc.hidden_size
     logits = torch.randn((seats, vocab), generator=torch.Generator().manual_seed(0))
@@ -74,7 +77,7 @@ def main() -> None:
             outs = engine.step()
             pickle.dumps(outs)
             for o in outs:
-                if o.finished:
+                if (o[6] if isinstance(o, tuple) else o.finished):  # (DeltaTuple: engine/outputs.py)
                     add()
         return (time.perf_counter() - t0) / steps * 1e3
 
