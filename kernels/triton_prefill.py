@@ -45,12 +45,6 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 
 # not specialized on values that change per step (block-table width) nor on the alignment of the index pointers,
 # which are slices past the step's decodes: see triton_decode._STEP_VALUES
-@triton.jit
-def _tile_base(query_start_loc_ptr, i, BLOCK_M: tl.constexpr):
-    """The first tile number of sequence i (see the module's docstring)."""
-    return tl.load(query_start_loc_ptr + i) // BLOCK_M + i
-
-
 @triton.jit(do_not_specialize=["stride_bt", "num_seqs"],
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _prefill_kernel(
@@ -71,9 +65,10 @@ def _prefill_kernel(
         seq += row_sum(((starts <= tile) & (i < num_seqs)).to(tl.int32), 0)
     if seq < 0:
         return  # before the first sequence's tiles (its rows start past row 0)
-    tile_start = (_tile_base(query_start_loc_ptr, seq + 1, BLOCK_M) - 1 - tile) * BLOCK_M  # the longest first
     q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    q_len = q_end - q_start
+    tile_start = (q_end // BLOCK_M + seq - tile) * BLOCK_M  # the next sequence's first number - 1 - tile: longest first
     if tile_start < 0 or tile_start >= q_len:
         return  # past the last sequence's tiles, or a spare number of this one
     ctx_len = tl.load(seq_lens_ptr + seq) - q_len  # tokens cached before this step's
