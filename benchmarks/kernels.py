@@ -30,6 +30,7 @@ SHAPES = {"qwen3-0.6b": (16, 8, 128), "llama-3-8b": (32, 8, 128)}  # (heads, kv_
 def bench(fn) -> float:
     """Milliseconds per call on the GPU, replayed from a CUDA graph (as the engine's decode steps run), so that
     Python launch overhead (tens of microseconds for a Triton launch) does not hide the kernel's own time."""
+    torch.cuda.synchronize()  # it runs fn on a stream of its own: the inputs, made on the default one, must be there
     return triton.testing.do_bench_cudagraph(fn)
 
 

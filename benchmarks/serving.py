@@ -4,6 +4,11 @@ OpenAI-compatible server (kvgate or any other), streaming completions with rando
   kvgate serve --port 8000 &
   python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --model SmolLM2-135M-Instruct \\
       --input-len 128 --output-len 128 --concurrency 1 8 32 --num-prompts 64
+
+With --engine-metrics (a kvgate server), each level also says where the engine loop's time went, from the server's
+/metrics before and after it: steps, busy ms a step (scheduling, the forward and the wait for it, sampling, outputs),
+emit ms a step (outputs handed over: pickled into the engine core's pipe), the share of the time the loop was busy,
+tokens a step, and the engine's own time to first token (its p50 and p99 as histogram bucket bounds).
 """
 from __future__ import annotations
 
@@ -77,18 +82,69 @@ def _worker(job: tuple[argparse.Namespace, int, list[list[int]], float]) -> tupl
     return asyncio.run(run_requests(*job))
 
 
+LOOP_METRICS = ("kvgate:engine_steps_total", "kvgate:engine_loop_busy_seconds_total",
+                "kvgate:engine_loop_emit_seconds_total", "vllm:iteration_tokens_total_sum",
+                "vllm:iteration_tokens_total_count")
+TTFT = "vllm:time_to_first_token_seconds_bucket"
+
+
+def loop_metrics(base_url: str) -> dict:
+    """The engine loop's counters and its TTFT histogram (le -> count) from a kvgate server's /metrics (summed over
+    its models), and when they were read."""
+    text = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/metrics", timeout=10).text
+    totals: dict = dict.fromkeys(LOOP_METRICS, 0.0)
+    ttft: dict[float, float] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        value = float(line.rsplit(" ", 1)[1]) if name in totals or name == TTFT else 0.0
+        if name in totals:
+            totals[name] += value
+        elif name == TTFT:
+            le = float(rest.split('le="', 1)[1].split('"', 1)[0])
+            ttft[le] = ttft.get(le, 0.0) + value
+    return {**totals, "ttft": ttft, "time": time.time()}
+
+
+def bucket_pct(cumulative: dict[float, float], q: float) -> float:
+    """The upper bound of the histogram bucket holding the q-th percentile."""
+    total = max(cumulative.values(), default=0.0)
+    return next((le for le, n in sorted(cumulative.items()) if n >= q / 100 * total), float("nan"))
+
+
+def loop_columns(before: dict, after: dict) -> dict:
+    """The engine loop between two readings: steps, busy and emit ms a step, the share of the wall time it was busy
+    (the counters move at the end of each turn), tokens a step, and the engine's own TTFT p50 / p99 (from its
+    arrival in the engine to the first token's step; histogram bucket bounds)."""
+    d = {k: after[k] - before[k] for k in LOOP_METRICS}
+    steps = max(d["kvgate:engine_steps_total"], 1)
+    busy, emit = d["kvgate:engine_loop_busy_seconds_total"], d["kvgate:engine_loop_emit_seconds_total"]
+    ttft = {le: n - before["ttft"].get(le, 0.0) for le, n in after["ttft"].items()}
+    return {"steps": int(d["kvgate:engine_steps_total"]), "busy_ms_step": round(busy / steps * 1e3, 2),
+            "emit_ms_step": round(emit / steps * 1e3, 3),
+            "loop_busy_pct": round(100 * (busy + emit) / max(after["time"] - before["time"], 1e-9), 1),
+            "tok_step": round(d["vllm:iteration_tokens_total_sum"] / max(d["vllm:iteration_tokens_total_count"], 1), 1),
+            "engine_ttft_p50_le_ms": round(bucket_pct(ttft, 50) * 1e3),
+            "engine_ttft_p99_le_ms": round(bucket_pct(ttft, 99) * 1e3)}
+
+
 def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int]]) -> dict:
     """One concurrency level; with --workers N the clients are split over N processes (so that the load
     generator's own Python is not what limits a fast server)."""
     n = max(1, min(args.workers, concurrency))
     start_at = time.time() + (0.2 if n == 1 else 5.0)  # time for the worker processes to start and import
+    before = None
     if n == 1:
+        before = loop_metrics(args.base_url) if args.engine_metrics else None
         results, end = _worker((args, concurrency, prompts, start_at))
     else:
         jobs = [(args, concurrency // n + (1 if i < concurrency % n else 0), prompts[i::n], start_at)
                 for i in range(n)]
         with multiprocessing.get_context("spawn").Pool(n) as pool:
-            parts = pool.map(_worker, jobs, chunksize=1)
+            pending = pool.map_async(_worker, jobs, chunksize=1)
+            if args.engine_metrics:  # the engine's counters from the common start on, not the workers' start-up
+                time.sleep(max(0.0, start_at - 0.05 - time.time()))
+                before = loop_metrics(args.base_url)
+            parts = pending.get()
         results = [r for part, _ in parts for r in part]
         end = max(t for _, t in parts)
     secs = end - start_at  # from the common start to the last response
@@ -96,11 +152,14 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
     tpot = [r["tpot"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
     out = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "req_s": round(len(results) / secs, 2),
-            "output_tok_s": round(out / secs, 1), "ttft_p50_ms": round(statistics.median(ttft), 1),
-            "ttft_p99_ms": round(pct(ttft, 99), 1), "tpot_p50_ms": round(statistics.median(tpot), 2),
-            "tpot_p99_ms": round(pct(tpot, 99), 2), "itl_p50_ms": round(pct(itl, 50), 2),
-            "itl_p99_ms": round(pct(itl, 99), 2)}
+    row = {"concurrency": concurrency, "requests": len(results), "req_s": round(len(results) / secs, 2),
+           "output_tok_s": round(out / secs, 1), "ttft_p50_ms": round(statistics.median(ttft), 1),
+           "ttft_p99_ms": round(pct(ttft, 99), 1), "tpot_p50_ms": round(statistics.median(tpot), 2),
+           "tpot_p99_ms": round(pct(tpot, 99), 2), "itl_p50_ms": round(pct(itl, 50), 2),
+           "itl_p99_ms": round(pct(itl, 99), 2)}
+    if before is not None:
+        row |= loop_columns(before, loop_metrics(args.base_url))
+    return row
 
 
 def main() -> None:
@@ -115,6 +174,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [100, vocab)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1, help="load-generator processes (clients split evenly)")
+    ap.add_argument("--engine-metrics", action="store_true",
+                    help="a kvgate server: add the engine loop's figures over each level (from its /metrics)")
     ap.add_argument("--record", default=None, help="a label: append the rows to benchmarks/RESULTS.md")
     args = ap.parse_args()
     rng = random.Random(args.seed)

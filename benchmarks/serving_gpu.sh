@@ -27,7 +27,7 @@ server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
-bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-4}"
+bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-4} --engine-metrics"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
 pids="$server $(pgrep -P $server || true)"  # the API process and its children (the engine core's process among them)
@@ -37,9 +37,15 @@ if [[ -n ${PY_SPY:-} ]]; then
     (sleep 3; $PY_SPY record -p $p -r 250 -d 6 --gil -f raw -o "$out/spy-$p.txt" >/dev/null 2>&1) &
   done
 fi
+# which CPU each server process's main thread ran on, twice a second (were the API process and the engine core on
+# hyperthreads of one physical core?)
+(while sleep 0.5; do for p in $pids; do echo "$p $(awk '{print $39}' /proc/$p/stat 2>/dev/null)"; done; done) >"$out/cpus.txt" &
+sampler=$!
 echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
 [[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-1000} --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
 echo "CPU seconds after the 128-token level: $(cpu_s | tr '\n' ' ')"
+kill $sampler
+python benchmarks/cpu_placement.py "$out/cpus.txt" $pids || true
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0

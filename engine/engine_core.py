@@ -64,6 +64,8 @@ class EngineCore:
     def run(self) -> None:
         engine = self.engine
         engine.sleep_when_held = False  # wait on the inbox instead, so new requests join the held batch
+        times = engine.loop_times
+        t0 = time.perf_counter()
         while not self._stopped:
             wake = engine.scheduler.next_wakeup
             if not engine.has_unfinished_requests() or engine.only_waiting_for_grammars():
@@ -72,6 +74,8 @@ class EngineCore:
                 ran = self._drain(timeout=max(0.0, wake - time.monotonic()))
             else:
                 ran = self._drain(timeout=None)
+            t1 = time.perf_counter()
+            times.idle += t1 - t0  # commands included: adding a request is quick next to a step
             out, self._pending = self._pending, CoreOutputs()
             stepped = not self._stopped and engine.has_unfinished_requests()
             if stepped:
@@ -81,9 +85,13 @@ class EngineCore:
                     logger.exception("engine step failed")
                     out.failed += self._fail_all(e)
                 out.failed += engine.take_failed()
+            t0 = time.perf_counter()
+            times.busy += t0 - t1
             if ran or stepped:
                 out.stats = snapshot(engine)
                 self.emit(out)
+                t1, t0 = t0, time.perf_counter()
+                times.emit += t0 - t1  # seen in the next turn's snapshot
 
     def _drain(self, timeout: float | None) -> bool:
         """Run every queued command; wait up to `timeout` seconds for the first one (None or 0: do not wait)."""

@@ -25,7 +25,7 @@ from kvgate.engine.sampler import SampledTokens, Sampler, to_device
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.scheduler import Scheduler, SchedulerOutput
 from kvgate.engine.sequence import DEFAULT_PRIORITY, Request, Sequence, SequenceStatus
-from kvgate.engine.stats import LatencyStats
+from kvgate.engine.stats import LatencyStats, LoopTimes
 from kvgate.engine.step_input import StepInputBuilder
 from kvgate.engine.structured_output import StructuredOutputsParams
 from kvgate.engine.structured_output.manager import GrammarStep, StructuredOutputManager
@@ -126,6 +126,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_rewinds = 0  # async: run-ahead positions computed again (their input token was replaced)
         self.latency_stats = LatencyStats()  # time to first token, inter-token latency, e2e and queue time
+        self.loop_times = LoopTimes()  # filled by the EngineCore that runs this engine
         self.sleep_when_held = True  # step() sleeps while prefills are held for batching (the async loop waits)
         self.output_prompts = True  # False: outputs leave prompt and prompt_token_ids None (the caller has them)
         self.delta_tuples = False  # True (the core's process): one-sample DELTA outputs as DeltaTuples (outputs.py)
@@ -394,6 +395,7 @@ class LLMEngine:
         skipped."""
         self._finish_draw()
         self.num_steps += 1
+        self.latency_stats.on_step(f.out.num_batched_tokens)
         if self.depth > 1 and not self.async_scheduling:
             self.in_flight_seqs.difference_update(seq for seq, _ in f.out.scheduled)
         rows = f.rows
@@ -468,6 +470,7 @@ class LLMEngine:
         step = self.step_inputs.build(out, bm.take_freed(), bm.offload.take_ops() if bm.offload else None)
         pooled = self.pooler.step(self.executor.execute_hidden(step), out.scheduled, out.num_computed)
         self.num_steps += 1
+        self.latency_stats.on_step(out.num_batched_tokens)
         for seq, _ in out.scheduled:
             bm.cache_full_blocks(seq)
         outputs: list[EngineOutput] = []

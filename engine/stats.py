@@ -17,6 +17,7 @@ TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+ITERATION_TOKENS = "vllm:iteration_tokens_total"
 
 # vLLM's bucket boundaries (seconds) for these histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -25,6 +26,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens a step computes
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -65,9 +67,14 @@ class LatencyStats:
             INTER_TOKEN_LATENCY: Histogram(ITL_BUCKETS),
             E2E_REQUEST_LATENCY: Histogram(REQUEST_LATENCY_BUCKETS),
             REQUEST_QUEUE_TIME: Histogram(REQUEST_LATENCY_BUCKETS),
+            ITERATION_TOKENS: Histogram(ITERATION_TOKENS_BUCKETS),
         }
         self.request_success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)  # finished requests by reason
         self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, num_tokens: int) -> None:
+        """A step computed num_tokens tokens (prompt and decode)."""
+        self.histograms[ITERATION_TOKENS].observe(num_tokens)
 
     def on_tokens(self, req: "Request", now: float) -> None:
         """A step produced tokens for req: its first (time to first token) or a later one (inter-token latency)."""
@@ -87,6 +94,17 @@ class LatencyStats:
         self.histograms[E2E_REQUEST_LATENCY].observe(now - req.arrival_time)
         if req.first_scheduled_time is not None:
             self.histograms[REQUEST_QUEUE_TIME].observe(req.first_scheduled_time - req.arrival_time)
+
+
+@dataclass
+class LoopTimes:
+    """Where the engine loop's wall time goes (seconds, totals; EngineCore adds to them): running steps (`busy`:
+    scheduling, launching, waiting for the GPU, sampling, detokenizing, making outputs), handing the outputs over
+    (`emit`: to the event loop, or pickled into the pipe of the engine core's process) and waiting for commands with
+    nothing to run, or running them: adding requests, aborts (`idle`)."""
+    busy: float = 0.0
+    emit: float = 0.0
+    idle: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,9 @@ class EngineStats:
     offload_disk_loaded_bytes: int = 0
     offload_disk_blocks: int = 0
     offload_disk_capacity_blocks: int = 0
+    loop_busy_seconds: float = 0.0  # LoopTimes
+    loop_emit_seconds: float = 0.0
+    loop_idle_seconds: float = 0.0
 
 
 def snapshot(engine: "LLMEngine") -> EngineStats:
@@ -134,7 +155,9 @@ def snapshot(engine: "LLMEngine") -> EngineStats:
         num_preemptions=sched.num_preemptions, prompt_tokens=engine.num_prompt_tokens,
         generation_tokens=engine.num_generation_tokens, num_steps=engine.num_steps,
         histograms={name: h.copy() for name, h in lat.histograms.items()},
-        request_success=dict(lat.request_success), timestamp=time.time(), **offload_figures(bm.offload))
+        request_success=dict(lat.request_success), timestamp=time.time(), loop_busy_seconds=engine.loop_times.busy,
+        loop_emit_seconds=engine.loop_times.emit, loop_idle_seconds=engine.loop_times.idle,
+        **offload_figures(bm.offload))
 
 
 def offload_figures(tier: "OffloadTier | None") -> dict[str, int]:

@@ -8,8 +8,8 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME, TIME_TO_FIRST_TOKEN,
-                                 EngineStats)
+from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, ITERATION_TOKENS, REQUEST_QUEUE_TIME,
+                                 TIME_TO_FIRST_TOKEN, EngineStats)
 
 GAUGES = {
     "vllm:num_requests_running": ("Requests whose sequences are in the running batch.", "num_requests_running"),
@@ -30,6 +30,12 @@ COUNTERS = {
     "vllm:prompt_tokens": ("Prompt tokens received.", "prompt_tokens"),
     "vllm:generation_tokens": ("Tokens generated.", "generation_tokens"),
     "kvgate:engine_steps": ("Engine steps run.", "num_steps"),
+    "kvgate:engine_loop_busy_seconds": ("Seconds the engine loop spent in steps (scheduling, the forward pass and "
+                                        "the wait for it, sampling, detokenizing, outputs).", "loop_busy_seconds"),
+    "kvgate:engine_loop_emit_seconds": ("Seconds the engine loop spent handing outputs over (with an engine core "
+                                        "process: pickling them into its pipe).", "loop_emit_seconds"),
+    "kvgate:engine_loop_idle_seconds": ("Seconds the engine loop spent waiting for commands, or running them "
+                                        "(adding requests, aborts).", "loop_idle_seconds"),
     "kvgate:kv_offload_cpu_queries": ("Prompt tokens looked up in the CPU offload tier (missed on the device).",
                                       "offload_queries"),
     "kvgate:kv_offload_cpu_hits": ("Prompt tokens found in the CPU offload tier and loaded back.", "offload_hits"),
@@ -50,6 +56,7 @@ HISTOGRAMS = {
     INTER_TOKEN_LATENCY: "Histogram of inter-token latency in seconds (between a request's successive steps).",
     E2E_REQUEST_LATENCY: "Histogram of e2e request latency in seconds (arrival to finish).",
     REQUEST_QUEUE_TIME: "Histogram of time spent waiting before a request is first scheduled, in seconds.",
+    ITERATION_TOKENS: "Histogram of the number of tokens per engine step (prompt and decode).",
 }
 
 

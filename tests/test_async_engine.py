@@ -3,6 +3,7 @@ core on a thread and in its own process (calls into the core are module-level fu
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from tiny_models import random_prompts
@@ -105,7 +106,7 @@ def test_load_failure_is_reported() -> None:
 
 
 def test_stats_snapshot_records_request_latencies(engine: AsyncLLMEngine) -> None:
-    from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, REQUEST_QUEUE_TIME,
+    from kvgate.engine.stats import (E2E_REQUEST_LATENCY, INTER_TOKEN_LATENCY, ITERATION_TOKENS, REQUEST_QUEUE_TIME,
                                      TIME_TO_FIRST_TOKEN, snapshot)
 
     def moved(a, b) -> dict[str, int]:
@@ -117,13 +118,24 @@ def test_stats_snapshot_records_request_latencies(engine: AsyncLLMEngine) -> Non
         # its result comes after the stats of every earlier step
         assert (await engine.call(core_state))[0] == []
         before = engine.stats
+        t0 = time.perf_counter()
         await asyncio.gather(*(collect(engine, f"s{i}", [3 + i, 4, 5], max_tokens=6) for i in range(4)))
         done = engine.stats  # published before the last outputs went out
+        wall = time.perf_counter() - t0
         h = moved(before, done)
         assert h[TIME_TO_FIRST_TOKEN] == 4 and h[INTER_TOKEN_LATENCY] == 4 * 5  # one per later token (n=1)
         assert h[E2E_REQUEST_LATENCY] == h[REQUEST_QUEUE_TIME] == 4
         assert done.request_success["length"] - before.request_success["length"] == 4
         assert done.generation_tokens - before.generation_tokens == 24 and done.num_steps > before.num_steps
+        # every step counted once with the tokens it computed: 4 prompts of 3 tokens, then 5 decodes each (the
+        # 6th token is sampled, never computed)
+        assert h[ITERATION_TOKENS] == done.num_steps - before.num_steps
+        iteration = done.histograms[ITERATION_TOKENS].sum - before.histograms[ITERATION_TOKENS].sum
+        assert iteration == 4 * 3 + 4 * 5
+        loop = {k: getattr(done, k) - getattr(before, k)
+                for k in ("loop_busy_seconds", "loop_emit_seconds", "loop_idle_seconds")}
+        assert loop["loop_busy_seconds"] > 0 and loop["loop_emit_seconds"] > 0
+        assert sum(loop.values()) < wall + 0.05  # seconds of the loop's own clock, within the requests' time
         ttft = done.histograms[TIME_TO_FIRST_TOKEN]
         assert ttft.cumulative()[-1] == (float("inf"), ttft.count) and ttft.sum > 0
 

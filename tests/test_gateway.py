@@ -169,15 +169,24 @@ def test_health_models_version_tokenize_metrics(server, client: openai.OpenAI) -
     assert ids == engine.tokenizer.encode("café 日本語")
     assert httpx.post(f"{base}/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"] == "café 日本語"
 
-    def gen_tokens() -> float:
+    def metric(name: str) -> float:
         text = httpx.get(f"{base}/metrics").text
-        line = next(x for x in text.splitlines() if x.startswith("vllm:generation_tokens_total{"))
+        line = next(x for x in text.splitlines() if x.startswith(name + "{"))
         assert f'model_name="{MODEL}"' in line
         return float(line.rsplit(" ", 1)[1])
 
-    before = gen_tokens()
+    names = ("vllm:generation_tokens_total", "vllm:iteration_tokens_total_sum", "vllm:iteration_tokens_total_count",
+             "kvgate:engine_steps_total", "kvgate:engine_loop_busy_seconds_total")
+    before = {name: metric(name) for name in names}
+    prompt_len = len(engine.tokenizer.encode("hi"))
     client.completions.create(model=MODEL, prompt="hi", max_tokens=7, temperature=0, extra_body={"ignore_eos": True})
-    assert gen_tokens() == before + 7
+    after = {name: metric(name) for name in names}
+    assert after["vllm:generation_tokens_total"] == before["vllm:generation_tokens_total"] + 7
+    # the steps' tokens: the prompt, then the 6 tokens fed back (the 7th is sampled only), one count per step
+    assert after["vllm:iteration_tokens_total_sum"] - before["vllm:iteration_tokens_total_sum"] == prompt_len + 6
+    steps = after["kvgate:engine_steps_total"] - before["kvgate:engine_steps_total"]
+    assert after["vllm:iteration_tokens_total_count"] - before["vllm:iteration_tokens_total_count"] == steps >= 7
+    assert after["kvgate:engine_loop_busy_seconds_total"] > before["kvgate:engine_loop_busy_seconds_total"]
 
 
 def test_api_key_body_limit_and_queue_limit(tiny_model_dirs: dict[str, str]) -> None:
