@@ -39,6 +39,7 @@ from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
 from kvgate.engine.stats import EngineStats, idle, snapshot
+from kvgate.engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,15 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, args: EngineArgs, start: bool = True,
                  on_loaded: Callable[["AsyncLLMEngine"], None] | None = None,
-                 on_dead: Callable[["AsyncLLMEngine"], None] | None = None) -> None:
+                 on_dead: Callable[["AsyncLLMEngine"], None] | None = None, clients: int = 1,
+                 core: CoreProcess | None = None) -> None:
+        """`clients` > 1: the core's process also serves that many - 1 other API processes (`kvgate serve
+        --api-server-count`; their pipes are in `shared_core.clients`), and is not restarted when it dies. `core`: an
+        engine of such another API process, on its pipe to a core that one started (`process` None)."""
         self.args = args
+        self.clients, self._given_core = clients, core
+        self.shared_core: CoreProcess | None = None  # the core's process as started here, with clients > 1
+        self.core_stop_timeout = 10.0  # shutdown(): seconds the core's process gets to exit before it is killed
         self.config: EngineConfig | None = None  # set once loaded (max_model_len as the KV cache allows)
         self.tokenizer: Any = None  # set once loaded (None with skip_tokenizer_init)
         self.engine: LLMEngine | None = None  # the engine itself when its core runs on a thread of this process
@@ -91,12 +99,13 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, on_loaded: Callable[["AsyncLLMEngine"], None] | None = None,
-                         on_dead: Callable[["AsyncLLMEngine"], None] | None = None) -> "AsyncLLMEngine":
+                         on_dead: Callable[["AsyncLLMEngine"], None] | None = None, clients: int = 1,
+                         core: CoreProcess | None = None) -> "AsyncLLMEngine":
         """Starts loading at once (on the engine thread); `is_ready` / `wait_until_ready()` tell when it is done, and
         `on_loaded(engine)` (if given) is called on the engine thread once the load succeeded or failed.
         `on_dead(engine)` is called on the engine thread, once, if the loaded engine later dies for good (its core
         process died and is not restarted; `death` says why); never for a shutdown."""
-        return cls(args, on_loaded=on_loaded, on_dead=on_dead)
+        return cls(args, on_loaded=on_loaded, on_dead=on_dead, clients=clients, core=core)
 
     # ---- state -------------------------------------------------------------------------------------------------
     @property
@@ -126,7 +135,8 @@ class AsyncLLMEngine:
 
     @property
     def core_pid(self) -> int | None:
-        """The process id of the engine core's process (the latest one, after restarts); None on a thread."""
+        """The process id of the engine core's process (the latest one, after restarts); None on a thread, and in
+        an API process that did not start it."""
         return self._process.pid if self._process is not None else None
 
     async def wait_until_ready(self, timeout: float | None = None) -> None:
@@ -144,7 +154,7 @@ class AsyncLLMEngine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
         if self._process is not None:
-            self._process.join(timeout=10)
+            self._process.join(timeout=self.core_stop_timeout)  # a shared one: until the other clients have left
             if self._process.is_alive():
                 self._process.kill()
 
@@ -272,12 +282,19 @@ class AsyncLLMEngine:
         core: EngineCore | None = None
         try:
             with _LOAD_LOCK:
-                config = self.args.create_engine_config()
+                given = self._given_core
+                config = given.config if given is not None else self.args.create_engine_config()
                 in_process = self.args.engine_core_process
                 if in_process is None:
-                    in_process = config.device.type == "cuda"
-                if in_process:
-                    self._attach(start_core_process(self.args, config))
+                    in_process = config.device.type == "cuda" or self.clients > 1
+                if given is not None:
+                    if given.tokenizer is None and not self.args.skip_tokenizer_init:
+                        given.tokenizer = load_tokenizer(config)
+                    self._attach(given)
+                elif in_process:
+                    started = start_core_process(self.args, config, clients=self.clients)
+                    self.shared_core = started if self.clients > 1 else None
+                    self._attach(started)
                 else:
                     self.engine = LLMEngine(config)
                     self.config, self.tokenizer = config, self.engine.tokenizer
@@ -317,15 +334,20 @@ class AsyncLLMEngine:
         died and the policy and the restart budget allow it. Returns once the engine is stopped or dead for good."""
         while True:
             self._read_outputs()
-            self._process.join(1)
-            died = f"the engine core process exited (exit code {self._process.exitcode})"
-            restart = not self._stopped and self.args.on_engine_core_death == "restart" and \
+            if self._process is not None:
+                self._process.join(1)
+                died = f"the engine core process exited (exit code {self._process.exitcode})"
+            else:
+                died = "the engine core process exited"
+            shared = self.clients > 1 or self._given_core is not None
+            restart = not self._stopped and not shared and self.args.on_engine_core_death == "restart" and \
                 self._restarts.take(time.monotonic())
             if restart:  # before _core_gone: the engine reads as restarting (503 "loading"), never as dead
                 self._restarting = True
                 self._ready.clear()
             elif not self._stopped:  # before _core_gone too: whoever sees it dead can say why
-                why = "on_engine_core_death is exit" if self.args.on_engine_core_death == "exit" else \
+                why = "it served several API processes" if shared else \
+                    "on_engine_core_death is exit" if self.args.on_engine_core_death == "exit" else \
                     self._restarts.spent()
                 self.death = f"{died}; not restarted ({why})"
             if not self._stopped:

@@ -25,6 +25,7 @@ class CoreProcess:
     config: EngineConfig  # the core's own config: what it resolved (max_model_len, dtype, ...)
     stats: EngineStats
     tokenizer: Any
+    clients: list[Any] = field(default_factory=list)  # pipes to the core for other API processes (api_server_count)
 
     @property
     def exit_code(self) -> int | None:
@@ -33,16 +34,22 @@ class CoreProcess:
         return self.process.exitcode
 
 
-def start_core_process(args: EngineArgs, config: EngineConfig, tokenizer: Any = None) -> CoreProcess:
+def start_core_process(args: EngineArgs, config: EngineConfig, tokenizer: Any = None, clients: int = 1
+                       ) -> CoreProcess:
     """Start a core process for `args` and wait for its report, loading the tokenizer meanwhile (unless one is
-    given). Raises the core's load error, or RuntimeError when the process exits while loading; either way no
-    process is left running."""
+    given). With `clients` > 1 the core also takes requests from that many - 1 other API processes, through the
+    pipes in CoreProcess.clients (engine/core_clients.py). Raises the core's load error, or RuntimeError when the
+    process exits while loading; either way no process is left running."""
     ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
     parent, child = ctx.Pipe()
+    others = [ctx.Pipe() for _ in range(clients - 1)]
     process = ctx.Process(target=run_core_process, name="kvgate-engine-core", daemon=True,
-                          args=(args, child, logging.getLogger("kvgate").getEffectiveLevel()))
+                          args=(args, child, logging.getLogger("kvgate").getEffectiveLevel(),
+                                [c for _, c in others]))
     process.start()
     child.close()  # from now on, the process holds the only other end: its death is EOF here
+    for _, c in others:
+        c.close()
     try:
         if tokenizer is None and not args.skip_tokenizer_init:
             tokenizer = load_tokenizer(config)
@@ -57,10 +64,11 @@ def start_core_process(args: EngineArgs, config: EngineConfig, tokenizer: Any = 
     except BaseException:
         process.kill()
         process.join(5)
-        parent.close()
+        for p in [parent, *(p for p, _ in others)]:
+            p.close()
         raise
     _, core_config, stats = report
-    return CoreProcess(process, parent, core_config, stats, tokenizer)
+    return CoreProcess(process, parent, core_config, stats, tokenizer, [p for p, _ in others])
 
 
 @dataclass

@@ -133,9 +133,12 @@ class EngineCore:
 
 
 # ---- the engine core in a process of its own ---------------------------------------------------------------------
-def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNING) -> None:
+def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNING, clients: list[Any] | None = None
+                     ) -> None:
     """The child process's entry point: load, report ("ready", the engine's EngineConfig, stats) or ("load_error",
-    error), then run the loop until a stop command or the parent's end of the pipe closes.
+    error), then run the loop until a stop command or the parent's end of the pipe closes. With `clients` (the pipes
+    of more API processes, `kvgate serve --api-server-count`), `conn` is one client among them
+    (engine/core_clients.py), and the core stops once every one has left.
 
     SIGINT and SIGTERM are ignored: they belong to the parent, which drains its requests and then stops the core
     through the pipe (a Ctrl-C, or a SIGTERM sent to the whole process group, must not kill requests that the
@@ -154,23 +157,40 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # the command reader thread gets the GIL within 1 ms of a step's Python
     conn.send(("ready", engine.config, snapshot(engine)))  # the config as this engine resolved it
     inbox: queue.Queue[tuple] = queue.Queue()
-    threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
+    if clients:
+        from kvgate.engine.core_clients import CoreClients
 
-    def emit(out: CoreOutputs) -> None:
-        try:
-            conn.send(out)  # pickles first: nothing is written when that fails
-        except OSError:  # the parent is gone
-            inbox.put(("stop",))
-        except Exception as e:  # a call's result that cannot be pickled: its caller gets the error instead
-            out.results = [(cid, TypeError(f"the result of this call cannot be sent between processes: {e}"), None)
-                           for cid, _, _ in out.results]
-            conn.send(out)
+        shared = CoreClients([conn, *clients], inbox, _send)
+        shared.start()
+        emit: Callable[[CoreOutputs], None] = shared.emit
+    else:
+        threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
+
+        def emit(out: CoreOutputs) -> None:
+            if not _send(conn, out):  # the parent is gone
+                inbox.put(("stop",))
 
     engine.executor.exit_on_worker_death = True  # the parent restarts this process, and so every rank
     try:
         EngineCore(engine, inbox, emit).run()
     finally:
         engine.shutdown()
+
+
+def _send(conn: Any, out: CoreOutputs) -> bool:
+    """Write a turn's outputs to a client's pipe; False when its other end is gone."""
+    try:
+        conn.send(out)  # pickles first: nothing is written when that fails
+    except OSError:
+        return False
+    except Exception as e:  # a call's result that cannot be pickled: its caller gets the error instead
+        out.results = [(cid, TypeError(f"the result of this call cannot be sent between processes: {e}"), None)
+                       for cid, _, _ in out.results]
+        try:
+            conn.send(out)
+        except OSError:
+            return False
+    return True
 
 
 def freeze_gc_heap() -> None:

@@ -92,7 +92,8 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, object]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.gateway.config import check_engines, load_config
 
-    cfg = load_config(args.config, serve_overrides(args))  # ConfigError: exit status 2 with the key and reason
+    overrides = serve_overrides(args)
+    cfg = load_config(args.config, overrides)  # ConfigError: exit status 2 with the key and reason
     check_engines(cfg)  # every value the engines would refuse, against each model's config: before anything loads
 
     import logging
@@ -101,9 +102,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.engine.engine_core import freeze_gc_heap
     from kvgate.engine.models.gguf import DEFAULT_MODEL_NAME
     from kvgate.engine.pipe_reader import SWITCH_INTERVAL_S
-    from kvgate.gateway.app import create_app
-    from kvgate.gateway.router_config import build_router
-    from kvgate.gateway.server import GatewayServer
+    from kvgate.gateway.api_servers import JOIN_MARGIN_S, ApiServers, bind_socket, make_server
+    from kvgate.gateway.server import DRAIN_MARGIN_S, GatewayServer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     deaths: list[str] = []  # engines dead for good (their core died, not restarted): the server exits with 1
     servers: list[GatewayServer] = []
+    engines: list[tuple[str, AsyncLLMEngine]] = []  # the embedded ones, in the router's order
 
     def on_dead(name: str) -> "Callable[[AsyncLLMEngine], None]":
         def dead(engine: AsyncLLMEngine) -> None:  # on the engine's thread
@@ -136,20 +137,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def start_engine(name: str, engine_args: AsyncEngineArgs) -> AsyncLLMEngine:
         print(f"[kvgate] {name}: loading {engine_args.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
-        return AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name),  # loads on its own thread
-                                               on_dead=on_dead(name))
+        engine = AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name),  # loads on its own thread
+                                                 on_dead=on_dead(name), clients=cfg.api_server_count)
+        # with other API processes on its core, it stops once they have drained too
+        engine.core_stop_timeout = cfg.shutdown_timeout + DRAIN_MARGIN_S + JOIN_MARGIN_S
+        engines.append((name, engine))
+        return engine
 
-    router = build_router(cfg, engine_factory=start_engine)  # remote deployments, routes, fallbacks included
-    app = create_app(router, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes,
-                     max_queue_len=cfg.max_queue_len, log_requests=not cfg.disable_log_requests)
-    server = GatewayServer(app, router, cfg.host, cfg.port, cfg.shutdown_timeout)
+    server = make_server(cfg, start_engine)
+    router = server.router
     servers.append(server)
     if deaths:  # one died before the server existed
         server.request_exit(1, deaths[0])
+    sockets, others = None, None
+    if cfg.api_server_count > 1:
+        sockets = [bind_socket(cfg.host, cfg.port)]
+        others = ApiServers(cfg.api_server_count, args.config, overrides, sockets[0], server)
+        others.start_when_ready(engines)
     names = [*router.models, *router.routes]
     print(f"[kvgate] serving {', '.join(names)} on http://{cfg.host}:{cfg.port}/v1 "
           f"(/health answers 503 loading until every model is ready)", file=sys.stderr, flush=True)
-    server.run()  # until SIGTERM / SIGINT (or an engine's death) and the drain; its shutdown stops the engines
+    server.run(sockets)  # until SIGTERM / SIGINT (or an engine's death) and the drain; its shutdown stops the engines
+    if others is not None:
+        others.join()
     print(f"[kvgate] stopped (exit status {server.exit_code})", file=sys.stderr, flush=True)
     return server.exit_code
 

@@ -85,6 +85,10 @@ class GatewayConfig:
     shutdown_timeout: float = arg(25.0, "on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
                                         "they are aborted; then the engines stop and kvgate exits with status 0 (a "
                                         "second signal exits at once)", ge=0)
+    api_server_count: int = arg(1, "HTTP server processes sharing the port and each embedded model's engine core "
+                                   "(vLLM's flag): more of them stream more tokens at high concurrency; each engine "
+                                   "core then runs in a process of its own and is not restarted if it dies",
+                                ge=1, le=64)
     tool_parser_plugin: str | None = arg(None, "a Python file imported before the models are checked, which "
                                                "registers tool-call or reasoning parsers of its own (vLLM's flag)",
                                          metavar="FILE")
@@ -431,6 +435,10 @@ def check_engines(cfg: GatewayConfig) -> None:
         local = [d for d in m.deployments if not d.is_remote]
         for j, d in enumerate(local):
             try:
+                if cfg.api_server_count > 1 and d.engine_args.get("engine_core_process") is False:
+                    raise ValueError(f"engine_core_process false cannot serve api_server_count "
+                                     f"{cfg.api_server_count} processes: its engine core must run in a process of "
+                                     f"its own")
                 check_engine_args(EngineArgs(**{**d.engine_args, "served_model_name": m.name}))
             except (ValueError, OSError, ImportError) as e:
                 where = f"model {m.name!r}" + (f" (embedded deployment {j})" if len(local) > 1 else "")

@@ -16,7 +16,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 
@@ -32,12 +32,16 @@ def say(text: str) -> None:
 
 
 class GatewayServer(uvicorn.Server):
-    def __init__(self, app: Any, router: ModelRouter, host: str, port: int, shutdown_timeout: float) -> None:
+    def __init__(self, app: Any, router: ModelRouter, host: str, port: int, shutdown_timeout: float,
+                 handle_signals: bool = True) -> None:
+        """`handle_signals` False: SIGTERM / SIGINT are left alone (another API process of kvgate serve's, which
+        drains when the first one tells it to: gateway/api_servers.py)."""
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         timeout_graceful_shutdown=shutdown_timeout + DRAIN_MARGIN_S))
-        self.router, self.shutdown_timeout = router, shutdown_timeout
+        self.router, self.shutdown_timeout, self.handle_signals = router, shutdown_timeout, handle_signals
         self.exit_code = 0
         self.signals = 0  # SIGTERM / SIGINT received
+        self.on_drain: list[Callable[[], None]] = []  # called as the drain starts
 
     def request_exit(self, code: int, reason: str) -> None:
         """Start the graceful shutdown (callable from any thread); `run()` then returns with `exit_code` = `code`
@@ -51,8 +55,8 @@ class GatewayServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """SIGTERM / SIGINT start the drain, a second one exits at once; nothing is re-raised afterwards."""
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-            yield
+        if threading.current_thread() is not threading.main_thread() or not self.handle_signals:
+            yield  # signals reach the main thread only
             return
         previous = {sig: signal.signal(sig, self._on_signal) for sig in SIGNALS}
         try:
@@ -76,6 +80,8 @@ class GatewayServer(uvicorn.Server):
     async def shutdown(self, sockets: Any = None) -> None:
         """uvicorn's shutdown (stop accepting, wait for the connections, the lifespan's end: router.close() stops
         the engines), with the requests still in flight after `shutdown_timeout` seconds aborted."""
+        for fn in self.on_drain:
+            fn()
         deadline = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._abort_the_rest)
         try:
             await super().shutdown(sockets)

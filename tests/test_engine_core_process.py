@@ -177,3 +177,57 @@ def test_the_core_processs_delta_tuples_make_the_same_outputs(tiny_llama: str) -
     assert last["prefix"].num_cached_tokens == 32 and last["aborted"].outputs[0].finish_reason == "abort"
     assert last["stop"].outputs[0].stop_reason == stop and stop not in "".join(
         o.outputs[0].text for o in objects if o.request_id == "stop")
+
+
+def test_one_core_serves_two_api_processes_pipes(tiny_llama: str) -> None:
+    """kvgate serve --api-server-count 2's core: two engines on two pipes of one core process (here both in this
+    process). The same request id on both stays two requests; each gets only its own outputs; one leaving aborts
+    its requests and the other keeps serving; the core's death kills both, with no restart."""
+    from kvgate.engine import LLM
+    from kvgate.engine.core_process import CoreProcess
+
+    first = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, engine_core_process=True), clients=2)
+    asyncio.run(first.wait_until_ready(timeout=120))
+    shared = first.shared_core
+    assert shared is not None and len(shared.clients) == 1
+    second = AsyncLLMEngine(first.args, core=CoreProcess(None, shared.clients[0], shared.config, shared.stats, None))
+    asyncio.run(second.wait_until_ready(timeout=60))
+    assert second.in_process and second.core_pid is None and second.tokenizer is not None
+    prompts = {first: [5, 6, 7, 8], second: [9, 10, 11]}
+    offline = LLM(tiny_llama)
+    want = {e: offline.generate([{"prompt_token_ids": p}], SHORT)[0].outputs[0].token_ids for e, p in prompts.items()}
+
+    async def tokens(eng: AsyncLLMEngine, rid: str, params: SamplingParams = SHORT) -> list[int]:
+        out = []
+        async for o in eng.generate(prompts[eng], params, rid):
+            out = o.outputs[0].token_ids
+        return list(out)
+
+    async def both() -> tuple[list[int], list[int]]:
+        return await asyncio.gather(tokens(first, "same"), tokens(second, "same"))
+
+    assert asyncio.run(both()) == [want[first], want[second]]
+
+    async def second_leaves_midway() -> tuple[list[str], int, int]:
+        gen = second.generate(prompts[second], LONG, "long")
+        await gen.__anext__()
+        second.shutdown()  # its pipe closes: the core aborts what it had in flight
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        assert await tokens(first, "after") == want[first]  # the first one is served as before
+        free, total = await first.call(block_counts)
+        return await first.call(running_ids), free, total
+
+    running, free, total = asyncio.run(second_leaves_midway())
+    assert running == [] and free == total
+    assert first._process.is_alive()  # the core stops only with its last client
+
+    os.kill(first.core_pid, signal.SIGKILL)
+    first._thread.join(30)
+    assert first.is_dead and "not restarted (it served several API processes)" in first.death
+    first.shutdown()
+
+
+def running_ids(e) -> list[str]:
+    return list(e.requests)

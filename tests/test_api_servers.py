@@ -1,0 +1,101 @@
+"""`kvgate serve --api-server-count 2`: two HTTP server processes on one port, one engine core process behind both
+(gateway/api_servers.py, engine/core_clients.py), run as a user starts it."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+
+from serve_helpers import CLI, free_port, serve_process
+from test_serve_lifecycle import blocks_in_use_at_stop, core_pid, stream, wait_for
+from tiny_models import build_tiny_model
+
+BLOCKS = 600
+
+
+@pytest.fixture(scope="module")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("slow") / "llama", "llama", num_hidden_layers=8,
+                            max_position_embeddings=4096)
+
+
+def args(model: str, port: int, *extra: str) -> list[str]:
+    return [model, "--port", str(port), "--served-model-name", "slow", "--num-gpu-blocks-override", str(BLOCKS),
+            "--max-num-seqs", "4", "--api-server-count", "2", *extra]
+
+
+def other_api_pid(log: Path) -> int:
+    pattern = r"API server 1 of 2 \(pid (\d+)\) serving"
+    wait_for(lambda: re.search(pattern, log.read_text()), "the second API process")
+    return int(re.search(pattern, log.read_text()).group(1))
+
+
+def short(base: str) -> str:
+    """A greedy completion on a connection of its own."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    return client.completions.create(model="slow", prompt="The sky is", max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_two_api_processes_serve_one_core_and_drain_together(tmp_path: Path, slow_model: str) -> None:
+    port, log = free_port(), tmp_path / "serve.log"
+    with serve_process(args(slow_model, port, "--shutdown-timeout", "120"), log, port) as (proc, base, _):
+        other = other_api_pid(log)
+        want = short(base)
+        chunks = stream(base, 400)
+        texts = [next(chunks).choices[0].text]
+
+        def read_the_rest() -> None:
+            for c in chunks:
+                texts.extend(ch.text for ch in c.choices)
+                if c.usage is not None:
+                    texts.append(f"<usage {c.usage.completion_tokens}>")
+
+        reader = threading.Thread(target=read_the_rest)
+        reader.start()
+        proc.send_signal(signal.SIGSTOP)  # the first process cannot accept: the second one answers
+        try:
+            assert short(base) == want
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)  # both drain: the stream in flight finishes
+        reader.join(timeout=120)
+        assert not reader.is_alive() and texts[-1] == "<usage 400>"
+        assert proc.wait(timeout=60) == 0
+    text = log.read_text()
+    assert "the first API process is draining" in text
+    # each process's engine reports the shared core as it stops; the last one found nothing left in it
+    stops = blocks_in_use_at_stop(text)
+    assert len(stops) == 2 and stops[-1] == ("0", "0", "0", str(BLOCKS))
+    assert not alive(other)
+
+
+def test_a_dead_shared_core_stops_every_api_process_with_status_1(tmp_path: Path, slow_model: str) -> None:
+    port, log = free_port(), tmp_path / "serve.log"
+    with serve_process(args(slow_model, port), log, port) as (proc, base, _):
+        other = other_api_pid(log)
+        os.kill(core_pid(log), signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+    assert "not restarted (it served several API processes)" in log.read_text()
+    wait_for(lambda: not alive(other), "the second API process to exit")
+
+
+def test_an_engine_core_on_a_thread_cannot_serve_several_api_processes(tmp_path: Path, slow_model: str) -> None:
+    run = subprocess.run([*CLI, "serve", *args(slow_model, free_port(), "--no-engine-core-process")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert "engine_core_process false cannot serve api_server_count 2 processes" in run.stderr
