@@ -5,12 +5,17 @@ Request ids and call ids are made by each API process, so the core tags them wit
 failures and call results, with every turn's stats. A client that sends "stop", or whose pipe closes (its process
 ended), leaves: its requests are aborted (their KV blocks freed on the next turn) and its pipe is closed, which its
 reader sees as the core's end. The core stops when the last client has left.
+
+A client with nothing of its own in a turn gets that turn's stats only if its last ones are STATS_EVERY_S old: a
+client still starting up (not reading yet) would otherwise fill its pipe within a few hundred steps, and the core's
+writes to it would then wait for it. When the core goes idle, every client gets the latest stats (`flush`).
 """
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from kvgate.engine.engine_core import CoreOutputs
@@ -18,6 +23,7 @@ from kvgate.engine.pipe_reader import PipeReader
 
 logger = logging.getLogger(__name__)
 FINISHED = 6  # a DeltaTuple's `finished`
+STATS_EVERY_S = 0.1
 
 
 class CoreClients:
@@ -27,6 +33,9 @@ class CoreClients:
         self.conns, self.inbox, self.send = conns, inbox, send
         self.owned: list[set[str]] = [set() for _ in conns]  # tagged ids of each client's requests in flight
         self.left: set[int] = set()  # clients that left (their pipes are closed, or about to be)
+        self.last_sent = [0.0] * len(conns)  # time.monotonic() of each client's last message
+        self.behind: set[int] = set()  # clients that missed the latest stats
+        self.stats: Any = None  # the latest stats
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # a pipe is closed only between two turns' sends
 
@@ -92,7 +101,25 @@ class CoreClients:
             parts[int(i)].failed.append((rid, error))
         for (i, cid), error, value in out.results:
             parts[i].results.append((cid, error, value))
+        self.stats = out.stats if out.stats is not None else self.stats
+        self._send(parts, skip_stats_only=True)
+
+    def flush(self) -> None:
+        """The latest stats to every client that missed them (the core is idle)."""
+        if self.behind:
+            self._send([CoreOutputs(stats=self.stats) if i in self.behind else None for i in range(len(self.conns))])
+
+    def _send(self, parts: list[CoreOutputs | None], skip_stats_only: bool = False) -> None:
+        now = time.monotonic()
         with self._send_lock:
             for i, part in enumerate(parts):
-                if i not in self.left and not self.send(self.conns[i], part):
+                if part is None or i in self.left:
+                    continue
+                if skip_stats_only and not (part.outputs or part.failed or part.results) and \
+                        now - self.last_sent[i] < STATS_EVERY_S:
+                    self.behind.add(i)
+                    continue
+                self.behind.discard(i)
+                self.last_sent[i] = now
+                if not self.send(self.conns[i], part):
                     self.leave(i)  # its process is gone: its reader meets the pipe's end and closes it

@@ -53,10 +53,12 @@ def merge_core_outputs(outs: list[CoreOutputs]) -> CoreOutputs:
 
 
 class EngineCore:
-    def __init__(self, engine: LLMEngine, inbox: "queue.Queue[tuple]", emit: Callable[[CoreOutputs], None]) -> None:
+    def __init__(self, engine: LLMEngine, inbox: "queue.Queue[tuple]", emit: Callable[[CoreOutputs], None],
+                 on_idle: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.inbox = inbox
         self.emit = emit
+        self.on_idle = on_idle  # called whenever the loop waits with nothing to run
         self._stopped = False
         self._pending = CoreOutputs()  # failures and call results of the commands run since the last emit
         engine.structured_output_manager.on_ready = lambda: inbox.put(("wake",))
@@ -69,6 +71,8 @@ class EngineCore:
         while not self._stopped:
             wake = engine.scheduler.next_wakeup
             if not engine.has_unfinished_requests() or engine.only_waiting_for_grammars():
+                if self.on_idle is not None:
+                    self.on_idle()
                 ran = self._drain(timeout=0.5)  # a compiled grammar sends ("wake",)
             elif wake is not None:
                 ran = self._drain(timeout=max(0.0, wake - time.monotonic()))
@@ -163,8 +167,10 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
         shared = CoreClients([conn, *clients], inbox, _send)
         shared.start()
         emit: Callable[[CoreOutputs], None] = shared.emit
+        on_idle: Callable[[], None] | None = shared.flush
     else:
         threading.Thread(target=_read_commands, args=(conn, inbox), name="kvgate-core-input", daemon=True).start()
+        on_idle = None
 
         def emit(out: CoreOutputs) -> None:
             if not _send(conn, out):  # the parent is gone
@@ -172,7 +178,7 @@ def run_core_process(args: EngineArgs, conn: Any, log_level: int = logging.WARNI
 
     engine.executor.exit_on_worker_death = True  # the parent restarts this process, and so every rank
     try:
-        EngineCore(engine, inbox, emit).run()
+        EngineCore(engine, inbox, emit, on_idle).run()
     finally:
         engine.shutdown()
 

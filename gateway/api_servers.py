@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from kvgate.engine.async_engine import AsyncLLMEngine
@@ -33,6 +34,7 @@ from kvgate.gateway.server import DRAIN_MARGIN_S, GatewayServer, say
 
 logger = logging.getLogger(__name__)
 JOIN_MARGIN_S = 10.0  # beyond the drain's own time, how long the first process waits for the others to exit
+STARTING = "the other API server processes"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -51,7 +53,9 @@ class ApiServers:
         self.processes: list[Any] = []
         self.controls: list[Any] = []
         self.draining = False
+        self.serving: set[int] = set()  # the others that said they serve
         server.on_drain.append(self.drain)
+        server.router.starting.add(STARTING)  # /health says loading until they all serve
 
     def start_when_ready(self, engines: list[tuple[str, AsyncLLMEngine]]) -> None:
         """On a thread: once every embedded engine has loaded, start the other API processes, each attached to
@@ -82,9 +86,22 @@ class ApiServers:
                 core.conn.close()
             self.processes.append(p)
             self.controls.append(ours)
+            threading.Thread(target=self._listen, args=(i, ours), name=f"kvgate-api-server-{i}-control",
+                             daemon=True).start()
         threading.Thread(target=self._watch, name="kvgate-api-servers-watch", daemon=True).start()
         say(f"{self.count} API server processes on the port (pids {os.getpid()} and "
             f"{', '.join(str(p.pid) for p in self.processes)})")
+
+    def _listen(self, i: int, conn: Any) -> None:
+        """API process i says when it serves; once every one has, /health may say ok."""
+        try:
+            while conn.recv() != ("serving",):
+                pass
+        except (EOFError, OSError):
+            return
+        self.serving.add(i)
+        if len(self.serving) == self.count - 1:
+            self.server.router.starting.discard(STARTING)
 
     def _watch(self) -> None:
         """An API process that exits while nobody asked it to: the whole server drains and exits with status 1."""
@@ -156,8 +173,11 @@ def run_api_server(index: int, count: int, config: str | None, overrides: dict[s
 
 
 def _follow(control: Any, server: GatewayServer) -> None:
-    """Drain when the first API process says so; exit at once when it is gone."""
+    """Say when this process serves; drain when the first API process says so; exit at once when it is gone."""
+    while not server.started and not server.should_exit:
+        time.sleep(0.02)
     try:
+        control.send(("serving",))
         while True:
             kind, code = control.recv()
             if kind == "drain":

@@ -292,6 +292,8 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
                 status = "loading" if status == "ok" else status
             else:
                 status = "dead" if all(d.backend.dead for d in deps) else "unavailable"
+        if status == "ok" and router.starting:
+            status = "loading"
         if status == "ok":
             return {"status": "ok"}
         return JSONResponse({"status": status}, status_code=503,

@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -207,6 +208,12 @@ def test_one_core_serves_two_api_processes_pipes(tiny_llama: str) -> None:
         return await asyncio.gather(tokens(first, "same"), tokens(second, "same"))
 
     assert asyncio.run(both()) == [want[first], want[second]]
+    deadline = time.monotonic() + 10  # the idle core sends its latest stats to both (throttled while it steps)
+    while first.stats.generation_tokens != second.stats.generation_tokens or first.stats.num_requests_running or \
+            second.stats.num_requests_running:
+        assert time.monotonic() < deadline, (first.stats, second.stats)
+        time.sleep(0.01)
+    assert first.stats.generation_tokens == 2 * SHORT.max_tokens
 
     async def second_leaves_midway() -> tuple[list[str], int, int]:
         gen = second.generate(prompts[second], LONG, "long")
