@@ -4,8 +4,8 @@ One API process (an event loop: HTTP, JSON, SSE) streams ~30-40k tokens a second
 new requests wait in its event loop, and the engine runs smaller batches. With N, kvgate serve's own process loads
 the engines as always, each embedded engine's core in a process of its own with N pipes (engine/core_clients.py),
 and once every embedded engine is ready it starts N - 1 more API processes. Each builds the same router from the
-same config, its embedded engines attached to their cores' other pipes, and serves the same listening socket: the
-kernel hands each new connection to one of them.
+same config, its embedded engines attached to their cores' other pipes, and listens on the same port (SO_REUSEPORT):
+the kernel spreads new connections over them.
 
 The others follow the first one's life. When it starts draining (SIGTERM, SIGINT, an engine's death) it tells them
 on a control pipe, and they drain too; they ignore SIGINT and SIGTERM themselves (a Ctrl-C reaches the whole process
@@ -38,18 +38,26 @@ STARTING = "the other API server processes"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening socket every API process serves (bound once, here, as uvicorn binds it)."""
-    import uvicorn
-
-    return uvicorn.Config(app=None, host=host, port=port).bind_socket()
+    """A socket of this process on the port, which the other API processes bind too (SO_REUSEPORT): the kernel spreads
+    new connections over them evenly. (One socket shared by all would hand a burst of connections to whichever
+    process wakes first: asyncio accepts up to the backlog of them at once.)"""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 class ApiServers:
     """The first API process's side: starts the others, tells them to drain, notices one that exits."""
 
-    def __init__(self, count: int, config: str | None, overrides: dict[str, Any], sock: socket.socket,
-                 server: GatewayServer) -> None:
-        self.count, self.config, self.overrides, self.sock, self.server = count, config, overrides, sock, server
+    def __init__(self, count: int, config: str | None, overrides: dict[str, Any], server: GatewayServer) -> None:
+        self.count, self.config, self.overrides, self.server = count, config, overrides, server
         self.processes: list[Any] = []
         self.controls: list[Any] = []
         self.draining = False
@@ -79,7 +87,7 @@ class ApiServers:
                 cores.append((name, CoreProcess(None, shared.clients[i - 1], shared.config, shared.stats, None)))
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=run_api_server, name=f"kvgate-api-server-{i}", daemon=False,
-                            args=(i, self.count, self.config, self.overrides, cores, self.sock, theirs, level))
+                            args=(i, self.count, self.config, self.overrides, cores, theirs, level))
             p.start()
             theirs.close()
             for _, core in cores:  # that process holds them now: its end is the core's EOF
@@ -136,8 +144,9 @@ class ApiServers:
 
 
 def run_api_server(index: int, count: int, config: str | None, overrides: dict[str, Any],
-                   cores: list[tuple[str, CoreProcess]], sock: socket.socket, control: Any, log_level: int) -> None:
-    """Another API process: the same config, its engines attached to the given cores, the shared socket."""
+                   cores: list[tuple[str, CoreProcess]], control: Any, log_level: int) -> None:
+    """Another API process: the same config, its engines attached to the given cores, a socket of its own on the
+    port."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first API process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: "
@@ -168,7 +177,7 @@ def run_api_server(index: int, count: int, config: str | None, overrides: dict[s
     freeze_gc_heap()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     say(f"API server {index} of {count} (pid {os.getpid()}) serving")
-    server.run(sockets=[sock])
+    server.run(sockets=[bind_socket(cfg.host, cfg.port)])
     sys.exit(server.exit_code)
 
 

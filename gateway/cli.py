@@ -144,15 +144,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engines.append((name, engine))
         return engine
 
+    sockets, others = None, None
+    if cfg.api_server_count > 1:  # bound first: a port in use stops kvgate before anything loads
+        try:
+            sockets = [bind_socket(cfg.host, cfg.port)]
+        except OSError as e:
+            print(f"[kvgate] {e.strerror}", file=sys.stderr, flush=True)
+            return 1
     server = make_server(cfg, start_engine)
     router = server.router
     servers.append(server)
     if deaths:  # one died before the server existed
         server.request_exit(1, deaths[0])
-    sockets, others = None, None
-    if cfg.api_server_count > 1:
-        sockets = [bind_socket(cfg.host, cfg.port)]
-        others = ApiServers(cfg.api_server_count, args.config, overrides, sockets[0], server)
+    if sockets is not None:
+        others = ApiServers(cfg.api_server_count, args.config, overrides, server)
         others.start_when_ready(engines)
     names = [*router.models, *router.routes]
     print(f"[kvgate] serving {', '.join(names)} on http://{cfg.host}:{cfg.port}/v1 "
