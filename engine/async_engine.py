@@ -139,6 +139,10 @@ class AsyncLLMEngine:
         an API process that did not start it."""
         return self._process.pid if self._process is not None else None
 
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Block this thread (never an event loop) until the load is done, failed or not; False on timeout."""
+        return self._ready.wait(timeout)
+
     async def wait_until_ready(self, timeout: float | None = None) -> None:
         ok = await asyncio.to_thread(self._ready.wait, timeout)
         if self.load_error is not None:

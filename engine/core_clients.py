@@ -2,7 +2,7 @@
 
 Request ids and call ids are made by each API process, so the core tags them with the client's index on the way in
 ("{i}/{request id}", (i, call id)) and takes the tag off on the way out: each client gets only its own outputs,
-failures and call results, with every turn's stats. A client that sends "stop", or whose pipe closes (its process
+failures and call results, with the turn's stats. A client that sends "stop", or whose pipe closes (its process
 ended), leaves: its requests are aborted (their KV blocks freed on the next turn) and its pipe is closed, which its
 reader sees as the core's end. The core stops when the last client has left.
 
@@ -12,7 +12,6 @@ writes to it would then wait for it. When the core goes idle, every client gets 
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -21,7 +20,6 @@ from typing import Any, Callable
 from kvgate.engine.engine_core import CoreOutputs
 from kvgate.engine.pipe_reader import PipeReader
 
-logger = logging.getLogger(__name__)
 FINISHED = 6  # a DeltaTuple's `finished`
 STATS_EVERY_S = 0.1
 
@@ -81,7 +79,8 @@ class CoreClients:
             self.inbox.put(("stop",))
 
     def emit(self, out: CoreOutputs) -> None:
-        """A turn's CoreOutputs, split by client, their tags taken off; every client still here gets the stats."""
+        """A turn's CoreOutputs, split by client, their tags taken off, each part with the turn's stats (a part with
+        nothing else goes only to a client whose last stats are STATS_EVERY_S old)."""
         parts = [CoreOutputs(stats=out.stats) for _ in self.conns]
         for o in out.outputs:
             if type(o) is tuple:

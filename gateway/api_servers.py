@@ -32,7 +32,6 @@ from kvgate.engine.async_engine import AsyncLLMEngine
 from kvgate.engine.core_process import CoreProcess
 from kvgate.gateway.server import DRAIN_MARGIN_S, GatewayServer, say
 
-logger = logging.getLogger(__name__)
 JOIN_MARGIN_S = 10.0  # beyond the drain's own time, how long the first process waits for the others to exit
 STARTING = "the other API server processes"
 
@@ -62,6 +61,7 @@ class ApiServers:
         self.controls: list[Any] = []
         self.draining = False
         self.serving: set[int] = set()  # the others that said they serve
+        self._lock = threading.Lock()  # no process starts once the drain has begun
         server.on_drain.append(self.drain)
         server.router.starting.add(STARTING)  # /health says loading until they all serve
 
@@ -70,7 +70,7 @@ class ApiServers:
         every core through that core's pipe for it (in the router's order of deployments)."""
         def wait_then_start() -> None:
             for _, engine in engines:
-                engine._ready.wait()
+                engine.wait_loaded()
             if self.draining or any(e.shared_core is None for _, e in engines):  # one failed to load
                 return
             self._start(engines)
@@ -81,24 +81,31 @@ class ApiServers:
         ctx = multiprocessing.get_context("spawn")
         level = logging.getLogger("kvgate").getEffectiveLevel()
         for i in range(1, self.count):
-            cores = []
-            for name, e in engines:
-                shared = e.shared_core
-                cores.append((name, CoreProcess(None, shared.clients[i - 1], shared.config, shared.stats, None)))
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=run_api_server, name=f"kvgate-api-server-{i}", daemon=False,
-                            args=(i, self.count, self.config, self.overrides, cores, theirs, level))
-            p.start()
-            theirs.close()
-            for _, core in cores:  # that process holds them now: its end is the core's EOF
-                core.conn.close()
-            self.processes.append(p)
-            self.controls.append(ours)
-            threading.Thread(target=self._listen, args=(i, ours), name=f"kvgate-api-server-{i}-control",
-                             daemon=True).start()
+            with self._lock:
+                if self.draining:
+                    break
+                self._spawn(ctx, i, engines, level)
         threading.Thread(target=self._watch, name="kvgate-api-servers-watch", daemon=True).start()
-        say(f"{self.count} API server processes on the port (pids {os.getpid()} and "
-            f"{', '.join(str(p.pid) for p in self.processes)})")
+        if self.processes:
+            say(f"{len(self.processes) + 1} API server processes on the port (pids {os.getpid()} and "
+                f"{', '.join(str(p.pid) for p in self.processes)})")
+
+    def _spawn(self, ctx: Any, i: int, engines: list[tuple[str, AsyncLLMEngine]], level: int) -> None:
+        cores = []
+        for name, e in engines:
+            shared = e.shared_core
+            cores.append((name, CoreProcess(None, shared.clients[i - 1], shared.config, shared.stats, None)))
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=run_api_server, name=f"kvgate-api-server-{i}", daemon=False,
+                        args=(i, self.count, self.config, self.overrides, cores, theirs, level))
+        p.start()
+        theirs.close()
+        for _, core in cores:  # that process holds them now: its end is the core's EOF
+            core.conn.close()
+        self.processes.append(p)
+        self.controls.append(ours)
+        threading.Thread(target=self._listen, args=(i, ours), name=f"kvgate-api-server-{i}-control",
+                         daemon=True).start()
 
     def _listen(self, i: int, conn: Any) -> None:
         """API process i says when it serves; once every one has, /health may say ok."""
@@ -124,7 +131,8 @@ class ApiServers:
 
     def drain(self) -> None:
         """Tell the others to drain (the first one started to)."""
-        self.draining = True
+        with self._lock:
+            self.draining = True
         for conn in self.controls:
             try:
                 conn.send(("drain", self.server.exit_code))
@@ -173,7 +181,7 @@ def run_api_server(index: int, count: int, config: str | None, overrides: dict[s
     servers.append(server)
     threading.Thread(target=_follow, args=(control, server), name="kvgate-api-server-control", daemon=True).start()
     for engine in engines:  # attached: ready once each has its tokenizer
-        engine._ready.wait()
+        engine.wait_loaded()
     freeze_gc_heap()
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     say(f"API server {index} of {count} (pid {os.getpid()}) serving")

@@ -139,8 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"[kvgate] {name}: loading {engine_args.model or DEFAULT_MODEL_NAME} ...", file=sys.stderr, flush=True)
         engine = AsyncLLMEngine.from_engine_args(engine_args, on_loaded=report(name),  # loads on its own thread
                                                  on_dead=on_dead(name), clients=cfg.api_server_count)
-        # with other API processes on its core, it stops once they have drained too
-        engine.core_stop_timeout = cfg.shutdown_timeout + DRAIN_MARGIN_S + JOIN_MARGIN_S
+        if cfg.api_server_count > 1:  # its core stops once the other API processes have drained too
+            engine.core_stop_timeout = cfg.shutdown_timeout + DRAIN_MARGIN_S + JOIN_MARGIN_S
         engines.append((name, engine))
         return engine
 

@@ -117,3 +117,32 @@ def test_a_port_in_use_stops_it_before_anything_loads(slow_model: str) -> None:
     assert run.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
     assert "loading" not in run.stderr
+
+
+def test_every_api_process_serves_a_config_files_models(tmp_path: Path, slow_model: str) -> None:
+    """A config file with an embedded model and a remote one: the other process reads the same file (its relative
+    paths included) and relays to the same upstream."""
+    from mock_upstream import MockUpstream
+
+    upstream = MockUpstream("far").start()
+    try:
+        (tmp_path / "model").symlink_to(slow_model)
+        (tmp_path / "config.yaml").write_text(
+            "api_server_count: 2\nmodels:\n  - name: slow\n    model: model\n    num_gpu_blocks_override: 600\n"
+            f"  - name: far\n    deployments:\n      - url: {upstream.url}\n")
+        port, log = free_port(), tmp_path / "serve.log"
+        with serve_process(["--config", str(tmp_path / "config.yaml"), "--port", str(port)], log, port) as (
+                proc, base, _):
+            other_api_pid(log)
+            assert short(base) == short(base)
+            for _ in range(24):  # fresh connections: both processes answer some (all 24 on one: p = 1e-7)
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+                assert client.completions.create(model="far", prompt="hi", max_tokens=5).choices[0].text == \
+                    upstream.text()
+            text = log.read_text()
+            assert '"POST /v1/completions" 200 model=far' in access_lines(text, "") and \
+                '"POST /v1/completions" 200 model=far' in access_lines(text, " [api server 1]")
+        assert proc.returncode == 0
+    finally:
+        upstream.stop()
+    assert upstream.requests == 24
