@@ -6,28 +6,18 @@ import os
 import re
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
 import openai
-import pytest
 
 from serve_helpers import CLI, free_port, serve_process
-from test_serve_lifecycle import blocks_in_use_at_stop, core_pid, stream, wait_for
-from tiny_models import build_tiny_model
-
-BLOCKS = 600
-
-
-@pytest.fixture(scope="module")
-def slow_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("slow") / "llama", "llama", num_hidden_layers=8,
-                            max_position_embeddings=4096)
+from test_serve_lifecycle import (BLOCKS, blocks_in_use_at_stop, core_pid, read_in_background, slow_model,  # noqa: F401
+                                  stream, wait_for)
+from test_serve_lifecycle import args as one_process_args
 
 
 def args(model: str, port: int, *extra: str) -> list[str]:
-    return [model, "--port", str(port), "--served-model-name", "slow", "--num-gpu-blocks-override", str(BLOCKS),
-            "--max-num-seqs", "4", "--api-server-count", "2", *extra]
+    return one_process_args(model, port, "--api-server-count", "2", *extra)
 
 
 def other_api_pid(log: Path) -> int:
@@ -61,17 +51,7 @@ def test_two_api_processes_serve_one_core_and_drain_together(tmp_path: Path, slo
     with serve_process(args(slow_model, port, "--shutdown-timeout", "120"), log, port) as (proc, base, _):
         other = other_api_pid(log)
         want = short(base)
-        chunks = stream(base, 400)
-        texts = [next(chunks).choices[0].text]
-
-        def read_the_rest() -> None:
-            for c in chunks:
-                texts.extend(ch.text for ch in c.choices)
-                if c.usage is not None:
-                    texts.append(f"<usage {c.usage.completion_tokens}>")
-
-        reader = threading.Thread(target=read_the_rest)
-        reader.start()
+        texts, reader = read_in_background(stream(base, 400))
         # on connections of their own, which the kernel spreads over both processes (all 24 on one: p = 1e-7)
         assert {short(base) for _ in range(24)} == {want}
         text = log.read_text()
@@ -128,7 +108,7 @@ def test_every_api_process_serves_a_config_files_models(tmp_path: Path, slow_mod
     try:
         (tmp_path / "model").symlink_to(slow_model)
         (tmp_path / "config.yaml").write_text(
-            "api_server_count: 2\nmodels:\n  - name: slow\n    model: model\n    num_gpu_blocks_override: 600\n"
+            f"api_server_count: 2\nmodels:\n  - name: slow\n    model: model\n    num_gpu_blocks_override: {BLOCKS}\n"
             f"  - name: far\n    deployments:\n      - url: {upstream.url}\n")
         port, log = free_port(), tmp_path / "serve.log"
         with serve_process(["--config", str(tmp_path / "config.yaml"), "--port", str(port)], log, port) as (

@@ -42,6 +42,22 @@ def stream(base: str, max_tokens: int):
                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
 
 
+def read_in_background(chunks) -> tuple[list[str], threading.Thread]:
+    """The stream's first chunk read here, the rest on a thread: (its texts, then "<usage N>" once the usage chunk
+    comes; the thread)."""
+    texts = [next(chunks).choices[0].text]
+
+    def read_the_rest() -> None:
+        for c in chunks:
+            texts.extend(ch.text for ch in c.choices)
+            if c.usage is not None:
+                texts.append(f"<usage {c.usage.completion_tokens}>")
+
+    reader = threading.Thread(target=read_the_rest)
+    reader.start()
+    return texts, reader
+
+
 def wait_for(cond, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -71,18 +87,7 @@ def test_a_signal_lets_the_stream_in_flight_finish_and_exits_0(tmp_path: Path, s
     port, log = free_port(), tmp_path / "serve.log"
     extra = ["--shutdown-timeout", "120"] + (["--engine-core-process"] if core == "process" else [])
     with serve_process(args(slow_model, port, *extra), log, port, start_new_session=True) as (proc, base, _):
-        chunks = stream(base, 400)
-        first = next(chunks)
-        texts: list[str] = [first.choices[0].text]
-
-        def read_the_rest() -> None:
-            for c in chunks:
-                texts.extend(ch.text for ch in c.choices)
-                if c.usage is not None:
-                    texts.append(f"<usage {c.usage.completion_tokens}>")
-
-        reader = threading.Thread(target=read_the_rest)
-        reader.start()
+        texts, reader = read_in_background(stream(base, 400))
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
         else:
