@@ -8,6 +8,8 @@
 #   SERVE_FLAGS=--no-engine-core-process LEVELS=128 bash benchmarks/serving_gpu.sh OUT   # engine loop on a thread
 #   CONFIG=benchmarks/configs/llama-3-8b SERVE_FLAGS="--tensor-parallel-size 2" LEVELS=128 CONCURRENCY="100 200" \
 #     NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT                  # another model's shapes, on 2 GPUs
+#   SERVE_FLAGS="--api-server-count 2" LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=1500 NO_OFFLINE=1 \
+#     bash benchmarks/serving_gpu.sh OUT           # two HTTP server processes sharing the engine core
 #   PY_SPY=py-spy NUM_PROMPTS=3000 LEVELS=128 CONCURRENCY=200 bash benchmarks/serving_gpu.sh OUT   # + where the
 #     server's processes spend their time: py-spy --gil stacks (OUT/spy-PID.txt, 6 s from 3 s into the 128-token
 #     level); each process's CPU seconds before and after that level are always printed
