@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 import torch
@@ -167,18 +168,22 @@ def bench_decode(h: int, kvh: int, d: int, dtype: torch.dtype, batches: list[int
 
 
 def sweep_decode(h: int, kvh: int, d: int, dtype: torch.dtype, batches: list[int], ctxs: list[int],
-                 block_size: int) -> list[dict]:
-    """Tuning aid: decode time for forced partition sizes and (TILE_N, warps, stages) configs."""
+                 block_size: int, ragged: bool = False) -> list[dict]:
+    """Tuning aid: decode time for forced partition sizes and (TILE_N, warps, stages) configs. `ragged`: context
+    lengths drawn from U[ctx / 16, ctx] (as in a serving batch, where a few long sequences finish last) instead of
+    all equal to ctx; by default large batches are not split at all."""
     from kvgate.kernels import triton_decode
 
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = random.Random(0)
     default_config = triton_decode.decode_config
     configs = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (32, 2, 4), (64, 8, 3), (128, 8, 2)]
     for b in batches:
         for ctx in ctxs:
-            k_cache, v_cache, table = paged_cache([ctx] * b, block_size, kvh, d, dtype, gen)
-            seq_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            lens = [lengths.randint(max(1, ctx // 16), ctx) if ragged else ctx for _ in range(b)]
+            k_cache, v_cache, table = paged_cache(lens, block_size, kvh, d, dtype, gen)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
             q = torch.randn((b, h, d), dtype=dtype, device="cuda", generator=gen)
             out = torch.empty_like(q)
             auto = bench(lambda: paged_decode(q, k_cache, v_cache, table, seq_lens, d ** -0.5, ctx, out))
@@ -279,6 +284,7 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true")
     ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="try decode partition sizes and kernel configs")
+    ap.add_argument("--ragged", action="store_true", help="--sweep with context lengths drawn from [ctx / 16, ctx]")
     ap.add_argument("--sweep-prefill", action="store_true", help="try prefill tile and pipeline configs (TFLOP/s)")
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -306,7 +312,7 @@ def main() -> None:
         if args.record:
             append_results(f"{args.record}: decode", cmd, rows)
     if args.sweep:
-        print_table(sweep_decode(h, kvh, d, dtype, args.batches, args.contexts, args.block_size))
+        print_table(sweep_decode(h, kvh, d, dtype, args.batches, args.contexts, args.block_size, args.ragged))
     if args.sweep_prefill:
         print_table(sweep_prefill(h, kvh, d, dtype, args.lengths, args.block_size))
     if args.prefill:
