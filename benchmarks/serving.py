@@ -96,12 +96,11 @@ def loop_metrics(base_url: str) -> dict:
     ttft: dict[float, float] = {}
     for line in text.splitlines():
         name, _, rest = line.partition("{")
-        value = float(line.rsplit(" ", 1)[1]) if name in totals or name == TTFT else 0.0
         if name in totals:
-            totals[name] += value
+            totals[name] += float(line.rsplit(" ", 1)[1])
         elif name == TTFT:
             le = float(rest.split('le="', 1)[1].split('"', 1)[0])
-            ttft[le] = ttft.get(le, 0.0) + value
+            ttft[le] = ttft.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
     return {**totals, "ttft": ttft, "time": time.time()}
 
 

@@ -18,9 +18,9 @@ import time
 from typing import Any, Callable
 
 from kvgate.engine.engine_core import CoreOutputs
+from kvgate.engine.outputs import DELTA_FINISHED
 from kvgate.engine.pipe_reader import PipeReader
 
-FINISHED = 6  # a DeltaTuple's `finished`
 STATS_EVERY_S = 0.1
 
 
@@ -84,7 +84,7 @@ class CoreClients:
         parts = [CoreOutputs(stats=out.stats) for _ in self.conns]
         for o in out.outputs:
             if type(o) is tuple:
-                tagged, finished = o[0], o[FINISHED]
+                tagged, finished = o[0], o[DELTA_FINISHED]
                 i, _, rid = tagged.partition("/")
                 o = (rid, *o[1:])
             else:

@@ -97,6 +97,7 @@ EngineOutput = RequestOutput | PoolingRequestOutput  # what LLMEngine.step() ret
 # tuple costs ~0.5 us a request, the RequestOutput and CompletionOutput it stands for ~3 us. The API process makes
 # the RequestOutput (`from_delta_tuple`).
 DeltaTuple = tuple
+DELTA_FINISHED = 6  # the index of `finished` in a DeltaTuple
 
 
 def from_delta_tuple(t: DeltaTuple) -> RequestOutput:
