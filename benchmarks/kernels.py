@@ -261,7 +261,7 @@ def sweep_prefill(h: int, kvh: int, d: int, dtype: torch.dtype, lengths: list[in
         row: dict = {"tokens": n}
         best = (float("inf"), "")
         for cfg in configs:
-            triton_prefill.prefill_config = lambda hd, dt, cfg=cfg: cfg
+            triton_prefill.prefill_config = lambda *_, cfg=cfg: cfg
             try:
                 ms = bench(call)
             except Exception as e:  # noqa: BLE001 (out of shared memory: the config does not fit)

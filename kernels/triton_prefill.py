@@ -30,16 +30,20 @@ import triton.language as tl
 from kvgate.kernels.triton_decode import attend_tile, cache_slots, dot_precision, row_sum, use_upcast
 
 SEQ_CHUNK = 64  # sequence starts a program reads at once to find its sequence
+SMALL_STEP_TOKENS = 4096  # rows (q's) up to which a step takes the smaller prefill tiles (prefill_config)
 
 
-def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): guesses from register/shared-memory counts of sm_90
-    builds (ptxas -v, no spills), to be tuned on the GPU. fp32 (ieee tl.dot on FMAs, not a speed target)
-    needs more registers: smaller tiles (still some spills at head_dim >= 128)."""
+def prefill_config(head_dim: int, dtype: torch.dtype, num_tokens: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a step of num_tokens rows (q's, decode rows included). From
+    sm_90 register counts (ptxas -v, no spills) and `benchmarks/kernels.py --sweep-prefill` on H100s: up to
+    SMALL_STEP_TOKENS rows, 64-row tiles (twice the programs, so a short prompt's causal triangle spreads over the
+    SMs: 181.7 against 160.4 TFLOP/s at 1,024 tokens, 338.5 / 324.5 at 2,048; an earlier run 388.2 / 383.6 at
+    4,096), 128-row tiles above. fp32 (ieee tl.dot on FMAs, not a speed target) needs more registers: smaller tiles
+    (still some spills at head_dim >= 128)."""
     if dtype == torch.float32:
         return (64, 32, 8, 2) if head_dim <= 64 else (32, 16, 4, 2)
     if head_dim <= 128:
-        return 128, 64, 8, 3
+        return (64, 64, 4, 3) if num_tokens <= SMALL_STEP_TOKENS else (128, 64, 8, 3)
     return 64, 32, 8, 2
 
 
@@ -145,7 +149,7 @@ def paged_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v.to(v_cache.dtype)
     v = v if v.stride(-1) == 1 else v.contiguous()
-    default_m, default_n, num_warps, num_stages = prefill_config(head_dim, k_cache.dtype)
+    default_m, default_n, num_warps, num_stages = prefill_config(head_dim, k_cache.dtype, q.shape[0])
     block_m, block_n = block_m or default_m, block_n or default_n
     if block_m % block_n:
         raise ValueError(f"block_m ({block_m}) must be a multiple of block_n ({block_n})")

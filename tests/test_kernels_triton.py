@@ -169,7 +169,8 @@ PREFILL_CASES = [
     (16, 2, 64, torch.float16, (32, 16)),
     (32, 4, 128, torch.float32, None),
     (32, 8, 64, torch.bfloat16, (16, 16)),
-    (64, 2, 128, torch.float16, None),
+    (64, 2, 128, torch.float16, None),  # a short step's default: 64-row tiles
+    (64, 2, 128, torch.float16, (128, 64)),  # a long step's (prefill_config)
     (16, 2, 256, torch.float16, (32, 32)),
     (16, 1, 80, torch.float32, (32, 16)),
 ]
