@@ -7,6 +7,9 @@ and once every embedded engine is ready it starts N - 1 more API processes. Each
 same config, its embedded engines attached to their cores' other pipes, and listens on the same port (SO_REUSEPORT):
 the kernel spreads new connections over them.
 
+/health says loading in every process until all of them serve: they count themselves in one shared counter, which
+every process's /health reads, so that a readiness probe, whichever process answers it, never sees ok and then
+loading again while the others start.
 The others follow the first one's life. When it starts draining (SIGTERM, SIGINT, an engine's death) it tells them
 on a control pipe, and they drain too; they ignore SIGINT and SIGTERM themselves (a Ctrl-C reaches the whole process
 group: the first one decides). If the first one disappears (a second signal exits at once), their control pipes
@@ -33,7 +36,6 @@ from kvgate.engine.core_process import CoreProcess
 from kvgate.gateway.server import DRAIN_MARGIN_S, GatewayServer, say
 
 JOIN_MARGIN_S = 10.0  # beyond the drain's own time, how long the first process waits for the others to exit
-STARTING = "the other API server processes"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -60,10 +62,10 @@ class ApiServers:
         self.processes: list[Any] = []
         self.controls: list[Any] = []
         self.draining = False
-        self.serving: set[int] = set()  # the others that said they serve
+        self.serving = multiprocessing.get_context("spawn").Value("i", 0)  # the others that serve (shared memory)
         self._lock = threading.Lock()  # no process starts once the drain has begun
         server.on_drain.append(self.drain)
-        server.router.starting.add(STARTING)  # /health says loading until they all serve
+        server.router.starting = starting(self.serving, count)  # /health says loading until they all serve
 
     def start_when_ready(self, engines: list[tuple[str, AsyncLLMEngine]]) -> None:
         """On a thread: once every embedded engine has loaded, start the other API processes, each attached to
@@ -97,26 +99,13 @@ class ApiServers:
             cores.append((name, CoreProcess(None, shared.clients[i - 1], shared.config, shared.stats, None)))
         ours, theirs = ctx.Pipe()
         p = ctx.Process(target=run_api_server, name=f"kvgate-api-server-{i}", daemon=False,
-                        args=(i, self.count, self.config, self.overrides, cores, theirs, level))
+                        args=(i, self.count, self.config, self.overrides, cores, theirs, self.serving, level))
         p.start()
         theirs.close()
         for _, core in cores:  # that process holds them now: its end is the core's EOF
             core.conn.close()
         self.processes.append(p)
         self.controls.append(ours)
-        threading.Thread(target=self._listen, args=(i, ours), name=f"kvgate-api-server-{i}-control",
-                         daemon=True).start()
-
-    def _listen(self, i: int, conn: Any) -> None:
-        """API process i says when it serves; once every one has, /health may say ok."""
-        try:
-            while conn.recv() != ("serving",):
-                pass
-        except (EOFError, OSError):
-            return
-        self.serving.add(i)
-        if len(self.serving) == self.count - 1:
-            self.server.router.starting.discard(STARTING)
 
     def _watch(self) -> None:
         """An API process that exits while nobody asked it to: the whole server drains and exits with status 1."""
@@ -151,10 +140,15 @@ class ApiServers:
             conn.close()
 
 
+def starting(serving: Any, count: int) -> Callable[[], bool]:
+    """The router's `starting` for N API processes: True until the shared count of the others that serve is N - 1."""
+    return lambda: serving.value < count - 1
+
+
 def run_api_server(index: int, count: int, config: str | None, overrides: dict[str, Any],
-                   cores: list[tuple[str, CoreProcess]], control: Any, log_level: int) -> None:
+                   cores: list[tuple[str, CoreProcess]], control: Any, serving: Any, log_level: int) -> None:
     """Another API process: the same config, its engines attached to the given cores, a socket of its own on the
-    port."""
+    port; `serving` counts the other processes that serve."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the first API process decides when to stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [api server {index}]: "
@@ -178,8 +172,10 @@ def run_api_server(index: int, count: int, config: str | None, overrides: dict[s
         return engines[-1]
 
     server = make_server(cfg, attach, handle_signals=False)
+    server.router.starting = starting(serving, count)
     servers.append(server)
-    threading.Thread(target=_follow, args=(control, server), name="kvgate-api-server-control", daemon=True).start()
+    threading.Thread(target=_follow, args=(control, server, serving), name="kvgate-api-server-control",
+                     daemon=True).start()
     for engine in engines:  # attached: ready once each has its tokenizer
         engine.wait_loaded()
     freeze_gc_heap()
@@ -189,12 +185,15 @@ def run_api_server(index: int, count: int, config: str | None, overrides: dict[s
     sys.exit(server.exit_code)
 
 
-def _follow(control: Any, server: GatewayServer) -> None:
-    """Say when this process serves; drain when the first API process says so; exit at once when it is gone."""
+def _follow(control: Any, server: GatewayServer, serving: Any) -> None:
+    """Count this process in once it serves; drain when the first API process says so; exit at once when it is
+    gone."""
     while not server.started and not server.should_exit:
         time.sleep(0.02)
+    if server.started:
+        with serving.get_lock():
+            serving.value += 1
     try:
-        control.send(("serving",))
         while True:
             kind, code = control.recv()
             if kind == "drain":

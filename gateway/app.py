@@ -292,7 +292,7 @@ def create_app(servings: dict[str, OpenAIServing] | ModelRouter, api_key: str | 
                 status = "loading" if status == "ok" else status
             else:
                 status = "dead" if all(d.backend.dead for d in deps) else "unavailable"
-        if status == "ok" and router.starting:
+        if status == "ok" and router.starting is not None and router.starting():
             status = "loading"
         if status == "ok":
             return {"status": "ok"}

@@ -65,7 +65,7 @@ class ModelRouter:
         self._health_task: asyncio.Task | None = None
         self._count_tokens: Callable[[str], int] | None = None
         self.closing = False  # the server is shutting down: no request is sent or retried any more
-        self.starting: set[str] = set()  # what else must be up before /health says ok (other API processes)
+        self.starting: Callable[[], bool] | None = None  # True while other API processes start: /health says loading
 
     # ---- set-up ---------------------------------------------------------------------------------------------------
     def add_model(self, name: str, target: Any, *, weight: float = 1.0, api_key: str | None = None,

@@ -126,3 +126,33 @@ def test_every_api_process_serves_a_config_files_models(tmp_path: Path, slow_mod
     finally:
         upstream.stop()
     assert upstream.requests == 24
+
+
+def test_health_says_ok_from_every_process_only_once_all_serve(tmp_path: Path, slow_model: str) -> None:
+    """Three API processes: /health on fresh connections (any process may answer) says loading until all three
+    serve, and ok from then on, never loading again (a readiness probe must not flap while the others start)."""
+    import time
+
+    import httpx
+
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = subprocess.Popen([*CLI, "serve", *one_process_args(slow_model, port, "--api-server-count", "3")],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    seen: list[str] = []
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and seen.count("ok") < 60:
+            assert proc.poll() is None, log.read_text()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)  # a connection of its own
+                seen.append(r.json()["status"])
+            except httpx.TransportError:
+                pass
+            time.sleep(0.02)
+        assert "ok" in seen, log.read_text()
+        first_ok = seen.index("ok")
+        assert set(seen[:first_ok]) == {"loading"} and set(seen[first_ok:]) == {"ok"}, seen
+        assert len(re.findall(r"API server [12] of 3 \(pid \d+\) serving", log.read_text())) == 2
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0
