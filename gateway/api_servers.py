@@ -10,6 +10,7 @@ the kernel spreads new connections over them.
 /health says loading in every process until all of them serve: they count themselves in one shared counter, which
 every process's /health reads, so that a readiness probe, whichever process answers it, never sees ok and then
 loading again while the others start.
+
 The others follow the first one's life. When it starts draining (SIGTERM, SIGINT, an engine's death) it tells them
 on a control pipe, and they drain too; they ignore SIGINT and SIGTERM themselves (a Ctrl-C reaches the whole process
 group: the first one decides). If the first one disappears (a second signal exits at once), their control pipes
