@@ -1,6 +1,8 @@
 """Online serving benchmark, the measures of `vllm bench serve`: an asyncio load generator against a running
 OpenAI-compatible server (kvgate or any other), streaming completions with random token-id prompts.
 ttft_p99_later_ms leaves out the first `concurrency` requests (they start together, each opening its connection).
+client_cpu_pct_max: the busiest load-generator process's CPU over the level (near 100: the client limits, not the
+server; add --workers).
 
   kvgate serve --port 8000 &
   python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --model SmolLM2-135M-Instruct \\
@@ -80,8 +82,11 @@ async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list
         return list(results), time.time()
 
 
-def _worker(job: tuple[argparse.Namespace, int, list[list[int]], float]) -> tuple[list[dict], float]:
-    return asyncio.run(run_requests(*job))
+def _worker(job: tuple[argparse.Namespace, int, list[list[int]], float]) -> tuple[list[dict], float, float]:
+    """(results, when the last finished, this process's CPU seconds while sending them)."""
+    cpu = time.process_time()
+    results, end = asyncio.run(run_requests(*job))
+    return results, end, time.process_time() - cpu
 
 
 LOOP_METRICS = ("kvgate:engine_steps_total", "kvgate:engine_loop_busy_seconds_total",
@@ -136,7 +141,8 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
     before = None
     if n == 1:
         before = loop_metrics(args.base_url) if args.engine_metrics else None
-        results, end = _worker((args, concurrency, prompts, start_at))
+        results, end, cpu = _worker((args, concurrency, prompts, start_at))
+        cpus = [cpu]
     else:
         jobs = [(args, concurrency // n + (1 if i < concurrency % n else 0), prompts[i::n], start_at)
                 for i in range(n)]
@@ -146,8 +152,9 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
                 time.sleep(max(0.0, start_at - 0.05 - time.time()))
                 before = loop_metrics(args.base_url)
             parts = pending.get()
-        results = [r for part, _ in parts for r in part]
-        end = max(t for _, t in parts)
+        results = [r for part, _, _ in parts for r in part]
+        end = max(t for _, t, _ in parts)
+        cpus = [c for _, _, c in parts]
     secs = end - start_at  # from the common start to the last response
     ttft = [r["ttft"] * 1e3 for r in results]
     # the requests after the first `concurrency` (those all start together, with their connections): steady state
@@ -160,7 +167,7 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
            "ttft_p99_ms": round(pct(ttft, 99), 1), "ttft_p99_later_ms": round(pct(steady, 99), 1),
            "tpot_p50_ms": round(statistics.median(tpot), 2),
            "tpot_p99_ms": round(pct(tpot, 99), 2), "itl_p50_ms": round(pct(itl, 50), 2),
-           "itl_p99_ms": round(pct(itl, 99), 2)}
+           "itl_p99_ms": round(pct(itl, 99), 2), "client_cpu_pct_max": round(100 * max(cpus) / secs, 1)}
     if before is not None:
         row |= loop_columns(before, loop_metrics(args.base_url))
     return row
