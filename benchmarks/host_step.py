@@ -9,6 +9,8 @@ one fixed random table, so the step is the engine's Python and little else. Gree
   python benchmarks/host_step.py                          # 200 streams, 128 in / 128 out: ms a step
   python benchmarks/host_step.py --streams 64 --profile   # cProfile of the timed steps
   python benchmarks/host_step.py --objects                # the outputs as RequestOutput objects, not tuples
+  python benchmarks/host_step.py --final                  # final outputs only, as the offline engine asks: what
+                                                          # streaming costs the core a step is the difference
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the timed steps")
     ap.add_argument("--objects", action="store_true", help="outputs as RequestOutput objects (before DeltaTuple)")
+    ap.add_argument("--final", action="store_true", help="final outputs only (the offline engine's), not deltas")
     args = ap.parse_args()
     seats = max(256, args.streams)
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -62,7 +65,7 @@ def main() -> None:
     runner.model.compute_logits = lambda h: logits[:h.shape[0]]
     rng = random.Random(0)
     sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
-                        output_kind=RequestOutputKind.DELTA)
+                        output_kind=RequestOutputKind.FINAL_ONLY if args.final else RequestOutputKind.DELTA)
     added = 0
 
     def add() -> None:
