@@ -136,8 +136,9 @@ def test_health_says_ok_from_every_process_only_once_all_serve(tmp_path: Path, s
     import httpx
 
     port, log = free_port(), tmp_path / "serve.log"
-    proc = subprocess.Popen([*CLI, "serve", *one_process_args(slow_model, port, "--api-server-count", "3")],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:  # the child holds its own copy
+        proc = subprocess.Popen([*CLI, "serve", *one_process_args(slow_model, port, "--api-server-count", "3")],
+                                stdout=out, stderr=subprocess.STDOUT)
     seen: list[str] = []
     try:
         deadline = time.time() + 120
