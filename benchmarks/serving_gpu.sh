@@ -13,6 +13,9 @@
 #   PY_SPY=py-spy NUM_PROMPTS=3000 LEVELS=128 CONCURRENCY=200 bash benchmarks/serving_gpu.sh OUT   # + where the
 #     server's processes spend their time: py-spy --gil stacks (OUT/spy-PID.txt, 6 s from 3 s into the 128-token
 #     level); each process's CPU seconds before and after that level are always printed
+#   STEP_LOG=1 LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=1500 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # + every
+#     engine step's time, its wait for the GPU and its size, and each request's way to the core and to its first
+#     token (benchmarks/step_log: OUT/steps, summarized after the 128-token level)
 #   CONFIG=benchmarks/configs/qwen3-stub VOCAB=4000 WORKERS=1 SERVE_FLAGS="--dtype float32 --engine-core-process" \
 #     LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=600 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # on a CPU: a
 #     one-layer model, for the server's own costs per request and per streamed token
@@ -24,6 +27,9 @@ config=${CONFIG:-benchmarks/configs/qwen3-0.6b}
 model=$(mktemp -d)/$(basename "$config")-dummy
 port=${PORT:-8123}
 python benchmarks/dummy_tokenizer.py $([[ ${DUMMY_TOKENIZER:-bytes} == word ]] || echo --byte-level) "$config" "$model" >/dev/null
+if [[ -n ${STEP_LOG:-} ]]; then
+  export PYTHONPATH=$PWD/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH} KVGATE_STEP_LOG_DIR=$out/steps
+fi
 python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
@@ -47,6 +53,7 @@ echo "CPU seconds before: $(cpu_s | tr '\n' ' ')"
 [[ $levels == *128* ]] && $bench --input-len 128 --output-len 128 --num-prompts ${NUM_PROMPTS:-1000} --concurrency ${CONCURRENCY:-50 100 200} | tee "$out/serve128.txt"
 echo "CPU seconds after the 128-token level: $(cpu_s | tr '\n' ' ')"
 kill $sampler
+if [[ -n ${STEP_LOG:-} ]]; then sleep 1.5; python benchmarks/step_log/summarize.py "$out/steps" | tee "$out/steps.txt"; fi
 python benchmarks/cpu_placement.py "$out/cpus.txt" $pids || true
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
 kill $server
