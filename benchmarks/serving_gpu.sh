@@ -16,9 +16,13 @@
 #   STEP_LOG=1 LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=1500 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # + every
 #     engine step's time, its wait for the GPU and its size, and each request's way to the core and to its first
 #     token (benchmarks/step_log: OUT/steps, summarized after the 128-token level)
+#   SERVER_CPUS=0-7 CLIENT_CPUS=8-15 ... bash benchmarks/serving_gpu.sh OUT   # the server and the load generator on
+#     CPUs of their own (taskset)
 #   CONFIG=benchmarks/configs/qwen3-stub VOCAB=4000 WORKERS=1 SERVE_FLAGS="--dtype float32 --engine-core-process" \
 #     LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=600 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # on a CPU: a
 #     one-layer model, for the server's own costs per request and per streamed token
+# The load generator runs in WORKERS processes (8; 4 before 2026-12-07's eighth session, when it limited the TTFT
+# tail at 200 clients: benchmarks/RESULTS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-$(mktemp -d)}
@@ -30,12 +34,12 @@ python benchmarks/dummy_tokenizer.py $([[ ${DUMMY_TOKENIZER:-bytes} == word ]] |
 if [[ -n ${STEP_LOG:-} ]]; then
   export PYTHONPATH=$PWD/benchmarks/step_log${PYTHONPATH:+:$PYTHONPATH} KVGATE_STEP_LOG_DIR=$out/steps
 fi
-python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
+${SERVER_CPUS:+taskset -c $SERVER_CPUS} python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
-bench="python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-4} --engine-metrics"
+bench="${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-8} --engine-metrics"
 levels=${LEVELS:-128 1024}
 grep -m1 "ready in" "$out/serve.log" || true
 pids="$server $(pgrep -P $server || true)"  # the API process and its children (the engine core's process among them)
