@@ -91,11 +91,10 @@ def _patch_core(engine_core) -> None:
     core.__init__, core._drain, core._run_command = logged_init, logged_drain, logged_run_command
 
 
-def _loaded(name: str):
-    """The module once its import has finished (it is in sys.modules from the start of its import), else None."""
-    mod = sys.modules.get(name)
-    spec = getattr(mod, "__spec__", None)
-    return mod if spec is not None and not getattr(spec, "_initializing", False) else None
+def _loaded(name: str) -> bool:
+    """Whether the module's import has finished (it is in sys.modules from the start of its import)."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return spec is not None and not getattr(spec, "_initializing", False)
 
 
 _written = [0]
@@ -114,11 +113,11 @@ def _flush() -> None:
 
 def _watch() -> None:
     """Patch each module once it is imported; write the new rows once a second (and at exit)."""
+    names = ("kvgate.engine.llm_engine", "kvgate.engine.sampler", "kvgate.engine.stats")
     engine_done = core_done = False
     last = time.monotonic()
     while True:
         time.sleep(0.01 if not (engine_done and core_done) else 1.0)
-        names = ("kvgate.engine.llm_engine", "kvgate.engine.sampler", "kvgate.engine.stats")
         if not engine_done and all(_loaded(n) for n in names):
             _patch_engine(*(sys.modules[n] for n in names))
             engine_done = True

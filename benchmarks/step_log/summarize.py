@@ -23,7 +23,10 @@ def read(path: str) -> dict[str, list[list[float]]]:
     with open(path) as f:
         for line in f:
             kind, *vals = line.split("\t")
-            rows[kind].append([float(v) for v in vals])
+            try:
+                rows[kind].append([float(v) for v in vals])
+            except (KeyError, ValueError):  # a line cut short by a process killed while writing it
+                pass
     return rows
 
 
