@@ -14,8 +14,8 @@
 #     server's processes spend their time: py-spy --gil stacks (OUT/spy-PID.txt, 6 s from 3 s into the 128-token
 #     level); each process's CPU seconds before and after that level are always printed
 #   STEP_LOG=1 LEVELS=128 CONCURRENCY=200 NUM_PROMPTS=1500 NO_OFFLINE=1 bash benchmarks/serving_gpu.sh OUT   # + every
-#     engine step's time, its wait for the GPU and its size, and each request's way to the core and to its first
-#     token (benchmarks/step_log: OUT/steps, summarized after the 128-token level)
+#     engine step's time, its wait for the GPU and its size, and each request's way to the engine, to the core and
+#     to its first token (benchmarks/step_log: OUT/steps, summarized after the 128-token level)
 #   SERVER_CPUS=0-7 CLIENT_CPUS=8-15 ... bash benchmarks/serving_gpu.sh OUT   # the server and the load generator on
 #     CPUs of their own (taskset)
 #   CONFIG=benchmarks/configs/qwen3-stub VOCAB=4000 WORKERS=1 SERVE_FLAGS="--dtype float32 --engine-core-process" \

@@ -1,5 +1,6 @@
 """benchmarks/step_log: `kvgate serve` with the engine core in its own process logs every step, each request's add and
-first token, and summarize.py reads the log. Run as the GPU benchmark runs it (serving_gpu.sh STEP_LOG=1)."""
+first token there, and each request's submission in the API process; summarize.py reads the logs. Run as the GPU
+benchmark runs it (serving_gpu.sh STEP_LOG=1)."""
 from __future__ import annotations
 
 import os
@@ -28,16 +29,20 @@ def test_the_step_log_counts_every_token_and_request(tmp_path: Path, tiny_llama:
                                             extra_body={"ignore_eos": True}).usage for p in PROMPTS]
         rows: dict[str, list[list[float]]] = {}
         deadline = time.time() + 30
-        while len(rows.get("first", [])) < len(PROMPTS) and time.time() < deadline:  # written once a second
+        while (len(rows.get("first", [])) < len(PROMPTS) or len(rows.get("submit", [])) < len(PROMPTS)) \
+                and time.time() < deadline:  # written once a second
             time.sleep(0.2)
             files = list(logs.glob("steps-*.tsv"))
-            rows = {}
+            rows, kinds = {}, []
             for f in files:
-                for line in f.read_text().splitlines():
-                    kind, *vals = line.split("\t")
+                lines = [line.split("\t") for line in f.read_text().splitlines()]
+                kinds.append({kind for kind, *_ in lines})
+                for kind, *vals in lines:
                     rows.setdefault(kind, []).append([float(v) for v in vals])
-    assert len(files) == 1  # the engine core's process only: the API process runs no engine
-    assert len(rows["add"]) == len(rows["first"]) == len(PROMPTS)
+    # the engine core's process steps; the API process submits and runs no step
+    assert sorted(kinds, key=len) == [{"submit"}, {"step", "drain", "emit", "add", "first"}]
+    assert len(rows["add"]) == len(rows["first"]) == len(rows["submit"]) == len(PROMPTS)
+    assert all(0 < r[1] < 30 for r in rows["submit"])  # seconds from the HTTP request's start
     # every token computed once: the prompt, then one decode per output token but the last
     want = sum(u.prompt_tokens + u.completion_tokens - 1 for u in usages)
     assert sum(r[3] for r in rows["step"]) == want
@@ -46,4 +51,6 @@ def test_the_step_log_counts_every_token_and_request(tmp_path: Path, tiny_llama:
     assert rows["drain"] and rows["emit"]
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_log" / "summarize.py"), str(logs)],
                          capture_output=True, text=True, check=True).stdout
-    assert f"({len(PROMPTS)} requests)" in out and "| step tokens |" in out, out
+    assert f"arrival to the first token (engine TTFT): p50" in out and "| step tokens |" in out, out
+    assert "(API process)\n   HTTP request to its submission to the engine: p50" in out, out
+    assert out.count(f"({len(PROMPTS)} requests)") == 3, out  # submissions, adds, first tokens

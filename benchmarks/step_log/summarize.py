@@ -1,7 +1,8 @@
 """Where an engine's steps spend their time, from the logs of benchmarks/step_log/sitecustomize.py: per process, the
 steps by size (tokens) with their mean wall time, the part spent waiting for the GPU and the rest (the host's work:
 scheduling, building and launching the step, completing the one before), and in the engine core's loop the waits
-for commands and the emits of outputs. A step that waits ~0 for the GPU was bound by the host.
+for commands and the emits of outputs; for an API process, how long its requests took to reach the engine. A step
+that waits ~0 for the GPU was bound by the host.
 
   python benchmarks/step_log/summarize.py DIR [DIR ...]
 """
@@ -19,7 +20,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def read(path: str) -> dict[str, list[list[float]]]:
-    rows: dict[str, list[list[float]]] = {"step": [], "drain": [], "emit": [], "add": [], "first": []}
+    rows: dict[str, list[list[float]]] = {"step": [], "drain": [], "emit": [], "add": [], "first": [], "submit": []}
     with open(path) as f:
         for line in f:
             kind, *vals = line.split("\t")
@@ -30,8 +31,19 @@ def read(path: str) -> dict[str, list[list[float]]]:
     return rows
 
 
+def latencies(rows: list[list[float]], what: str) -> None:
+    ms = sorted(r[1] * 1e3 for r in rows)
+    if ms:
+        print(f"   {what}: p50 {pct(ms, 50):.1f} ms, p90 {pct(ms, 90):.1f}, p99 {pct(ms, 99):.1f}, max {ms[-1]:.1f} "
+              f"({len(ms)} requests)")
+
+
 def summarize(path: str) -> None:
     rows = read(path)
+    name = f"{os.path.basename(os.path.dirname(path)) or '.'}/{os.path.basename(path)}"
+    if rows["submit"]:  # an API process
+        print(f"## {name} (API process)")
+        latencies(rows["submit"], "HTTP request to its submission to the engine")
     steps = [r for r in rows["step"] if r[3] > 0]  # calls that started a step: start wall wait tokens seqs decodes out
     if not steps:
         return
@@ -43,17 +55,14 @@ def summarize(path: str) -> None:
     calls = within(rows["step"])
     step_s, wait_s = sum(r[1] for r in calls), sum(r[2] for r in calls)
     drain_s, emit_s = sum(r[1] for r in drains), sum(r[1] for r in emits)
-    print(f"## {os.path.basename(os.path.dirname(path)) or '.'}/{os.path.basename(path)}: {len(steps)} steps over "
+    print(f"## {name}: {len(steps)} steps over "
           f"{span:.2f} s ({span / len(steps) * 1e3:.2f} ms a step), {sum(r[3] for r in steps) / len(steps):.0f} tokens "
           f"a step")
     print(f"   step calls {step_s:.2f} s (GPU wait {wait_s:.2f}, host {step_s - wait_s:.2f}), waits for commands "
           f"{drain_s:.2f} s ({len(drains)}, {sum(r[2] for r in drains):.0f} requests added), emits {emit_s:.2f} s "
           f"({len(emits)}), the rest {span - step_s - drain_s - emit_s:.2f} s")
-    for kind, what in (("add", "arrival to the core's add"), ("first", "arrival to the first token (engine TTFT)")):
-        ms = sorted(r[1] * 1e3 for r in within(rows[kind]))
-        if ms:
-            print(f"   {what}: p50 {pct(ms, 50):.1f} ms, p90 {pct(ms, 90):.1f}, p99 {pct(ms, 99):.1f}, max {ms[-1]:.1f} "
-                  f"({len(ms)} requests)")
+    latencies(rows["add"], "arrival to the core's add")  # every request (the first add comes before any step)
+    latencies(rows["first"], "arrival to the first token (engine TTFT)")
     print("   | step tokens | steps | decode-only | wall ms | GPU wait ms | host ms | steps waiting < 0.05 ms |")
     print("   |---|---|---|---|---|---|---|")
     lo = 0
