@@ -6,8 +6,10 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import openai
 
 from serve_helpers import CLI, free_port, serve_process
@@ -131,10 +133,6 @@ def test_every_api_process_serves_a_config_files_models(tmp_path: Path, slow_mod
 def test_health_says_ok_from_every_process_only_once_all_serve(tmp_path: Path, slow_model: str) -> None:
     """Three API processes: /health on fresh connections (any process may answer) says loading until all three
     serve, and ok from then on, never loading again (a readiness probe must not flap while the others start)."""
-    import time
-
-    import httpx
-
     port, log = free_port(), tmp_path / "serve.log"
     with open(log, "w") as out:  # the child holds its own copy
         proc = subprocess.Popen([*CLI, "serve", *one_process_args(slow_model, port, "--api-server-count", "3")],
