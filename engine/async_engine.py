@@ -25,11 +25,12 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.core_process import RESTART_WINDOW_S, CoreProcess, RestartBudget, start_core_process
+from kvgate.engine.detokenizer import OutputDetokenizer
 from kvgate.engine.engine_core import CoreOutputs, EngineCore, merge_core_outputs
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from kvgate.engine.output_stream import RequestOutputStream, push_on_loop, settle
@@ -39,7 +40,7 @@ from kvgate.engine.pooling_params import PoolingParams, check_runner
 from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import DEFAULT_PRIORITY
 from kvgate.engine.stats import EngineStats, idle, snapshot
-from kvgate.engine.tokenizer import load_tokenizer
+from kvgate.engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ class AsyncLLMEngine:
         self.core_stop_timeout = 10.0  # shutdown(): seconds the core's process gets to exit before it is killed
         self.config: EngineConfig | None = None  # set once loaded (max_model_len as the KV cache allows)
         self.tokenizer: Any = None  # set once loaded (None with skip_tokenizer_init)
+        self.eos_token_ids: list[int] = []  # with the core in its own process: for the text made here
         self.engine: LLMEngine | None = None  # the engine itself when its core runs on a thread of this process
         self.load_error: BaseException | None = None
         self.load_time: float | None = None  # seconds the load took (set when it is done, failed or not)
@@ -213,6 +215,10 @@ class AsyncLLMEngine:
         if self.in_process:  # the core's outputs leave the prompt out: this side keeps it
             text, ids = encode_prompt(self.tokenizer, prompt)
             stream.prompt, prompt = (text, ids), {"prompt": text, "prompt_token_ids": ids}
+            if self.tokenizer is not None and isinstance(params, SamplingParams) and params.detokenize and \
+                    not params.stop:  # no stop string to match: the text is made here, off the core's step
+                stream.detokenizer = OutputDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
+                params = replace(params, detokenize=False)
         conn = self._conn  # the core this request goes to: never a newer one that its failure did not see
         self._streams[request_id] = stream
         if self._core_gone:  # it died after the check above: its reader may have failed the streams already
@@ -330,6 +336,7 @@ class AsyncLLMEngine:
         """Take a core process that reported ready as this engine's core."""
         self._process = core.process
         self.config, self.tokenizer, self.stats, self._conn = core.config, core.tokenizer, core.stats, core.conn
+        self.eos_token_ids = eos_token_ids(core.config, core.tokenizer)
         if self._stopped:  # shut down while it loaded
             self._command(("stop",))
 
@@ -423,6 +430,8 @@ class AsyncLLMEngine:
                 continue
             if stream.prompt is not None:
                 o.prompt, o.prompt_token_ids = stream.prompt
+            if stream.detokenizer is not None:
+                stream.detokenizer.fill(o)  # type: ignore[arg-type]
             by_loop.setdefault(stream.loop, []).append((stream, o))
             if o.finished:
                 self._streams.pop(o.request_id, None)

@@ -8,6 +8,11 @@ Two ways, the same text:
   tokenizer (two calls before: 12-14% of the engine core's time at 200 streams on an H200).
 - any other tokenizer: the newest tokens are decoded with a few tokens of context before them (spaces and merges
   that depend on their neighbours come out right), twice per token.
+
+The engine detokenizes each sequence as its tokens come (the text its stop strings are matched on). With the engine
+core in a process of its own, a request without stop strings is detokenized in the API process instead (vLLM's
+split): the core gets it with `detokenize=False` and sends token ids only, and `OutputDetokenizer` makes the same
+text from them on the API side, taking that work off the core's step.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.engine.outputs import RequestOutput
+from kvgate.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvgate.engine.sequence import Sequence
 
 _LOOKBACK = 5  # tokens of context decoded before the new ones, so that spaces and merges come out right
@@ -166,3 +173,49 @@ def check_stop_strings(seq: Sequence, delta_len: int, stop: list[str], include: 
     i, s = best
     seq.text = seq.text[: i + len(s)] if include else seq.text[:i]
     return s
+
+
+class _Text:
+    """One sample's detokenizer state on the API side: what detokenize_incrementally reads of a Sequence."""
+    __slots__ = ("token_ids", "num_prompt_tokens", "prefix_offset", "read_offset", "pending_bytes", "text")
+
+    def __init__(self, context: list[int]) -> None:
+        self.token_ids, self.num_prompt_tokens, self.text = list(context), len(context), ""
+        init_offsets(self)  # type: ignore[arg-type]
+
+
+class OutputDetokenizer:
+    """The text of a request whose engine core sends token ids only (SamplingParams.detokenize False, no stop
+    strings): fills each output's text as the core would have, token by token, from the prompt's last tokens on.
+    A sample that stopped on a stop token or EOS leaves that token's text out, as the core does, unless
+    include_stop_str_in_output."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.context = prompt_token_ids[-_LOOKBACK:]
+        self.skip_special_tokens = params.skip_special_tokens
+        self.include_stop = params.include_stop_str_in_output
+        self.eos_token_ids = eos_token_ids
+        self.delta = params.output_kind is RequestOutputKind.DELTA
+        self.samples: dict[int, _Text] = {}
+
+    def fill(self, out: RequestOutput) -> None:
+        for c in out.outputs:
+            s = self.samples.get(c.index)
+            if s is None:
+                s = self.samples[c.index] = _Text(self.context)
+            new = c.token_ids if self.delta else c.token_ids[len(s.token_ids) - s.num_prompt_tokens:]
+            start, last = len(s.text), len(new) - 1
+            for i, t in enumerate(new):
+                s.token_ids.append(t)
+                if i == last and self._without_text(c.finish_reason, c.stop_reason, t):
+                    break  # (the core does not detokenize it)
+                detokenize_incrementally(self.tokenizer, s, self.skip_special_tokens)  # type: ignore[arg-type]
+            c.text = s.text[start:] if self.delta else s.text
+
+    def _without_text(self, finish_reason: str | None, stop_reason: int | str | None, last: int) -> bool:
+        """Whether a sample's last token ended it without being detokenized: a stop token or EOS (the core decides
+        those on the token id, before the text)."""
+        return finish_reason == "stop" and not self.include_stop and (
+            isinstance(stop_reason, int) or last in self.eos_token_ids)

@@ -29,7 +29,7 @@ from kvgate.engine.stats import LatencyStats, LoopTimes
 from kvgate.engine.step_input import StepInputBuilder
 from kvgate.engine.structured_output import StructuredOutputsParams
 from kvgate.engine.structured_output.manager import GrammarStep, StructuredOutputManager
-from kvgate.engine.tokenizer import load_tokenizer
+from kvgate.engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +111,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_model_len, a.enable_chunked_prefill, a.enable_preemption,
                                    a.scheduler_delay, a.priority_aging_rate, self.async_scheduling)
-        eos = list(config.model_config.eos_token_ids)
-        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = [self.tokenizer.eos_token_id]
-        self.eos_token_ids = eos
+        self.eos_token_ids = eos = eos_token_ids(config, self.tokenizer)
         self.sampler = Sampler(config.model_config.vocab_size, eos, a.seed)
         self.structured_output_manager = StructuredOutputManager(self.tokenizer, config.model_config.vocab_size, eos,
                                                                  config.device, config.max_num_seqs)
@@ -510,7 +507,7 @@ class LLMEngine:
             reason = "stop"
         elif past_min and token in sp.stop_token_ids:
             reason, stop_reason = "stop", token
-        if self.tokenizer is not None and (reason is None or sp.include_stop_str_in_output):
+        if self.tokenizer is not None and sp.detokenize and (reason is None or sp.include_stop_str_in_output):
             delta = detokenize_incrementally(self.tokenizer, seq, sp.skip_special_tokens)
             hit = None
             if reason is None and past_min:

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+from kvgate.engine.detokenizer import OutputDetokenizer
 from kvgate.engine.outputs import CompletionOutput, RequestOutput
 
 
@@ -38,6 +39,7 @@ class RequestOutputStream:
         self.loop = loop
         self.delta = delta
         self.prompt: tuple[str | None, list[int]] | None = None  # filled into outputs that come without it
+        self.detokenizer: OutputDetokenizer | None = None  # fills the text of outputs that come without it
         self._pending: RequestOutput | BaseException | None = None
         self._waiter: asyncio.Future | None = None  # the consumer's while it waits in get() (a bare future:
         # an asyncio.Event's set/wait/clear showed as ~10% of a busy API process's samples)

@@ -33,6 +33,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # accepted for API compatibility; only None is supported
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: outputs carry token ids and no text (no stop strings then)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # guided decoding (engine/structured_output/)
     max_logprobs: int = field(default=20, repr=False)
@@ -85,6 +86,8 @@ class SamplingParams:
             bad("stop must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
+        if not self.detokenize and self.stop:
+            bad("stop strings need detokenize=True: they are matched on the text")
         if self.seed is not None and not isinstance(self.seed, int):
             bad(f"seed must be an integer, got {self.seed!r}")
 

@@ -24,3 +24,11 @@ def load_tokenizer(config: EngineConfig):
             raise ValueError(f"no tokenizer in {path}: pass skip_tokenizer_init=True to run dummy weights on "
                              f"token ids") from e
         raise ValueError(f"cannot load the tokenizer from {path}: {e}") from e
+
+
+def eos_token_ids(config: EngineConfig, tokenizer) -> list[int]:
+    """The token ids that end a sample (unless ignore_eos): the model config's, else the tokenizer's EOS."""
+    eos = list(config.model_config.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    return eos

@@ -2,15 +2,17 @@
 (cut before the stop string, never leaked in a stream), as units and through the engine on a tiny model."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import random
 from collections.abc import Iterator
 
 import pytest
-from tiny_models import VOCAB_SIZE, assert_engine_idle, one_thread, random_prompts
+from tiny_models import VOCAB_SIZE, assert_engine_idle, copy_with_eos, one_thread, random_prompts
 
 from kvgate.engine import LLM, LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
-from kvgate.engine.detokenizer import byte_table, check_stop_strings, detokenize_incrementally, init_offsets
+from kvgate.engine.detokenizer import (OutputDetokenizer, byte_table, check_stop_strings, detokenize_incrementally,
+                                       init_offsets)
 from kvgate.engine.sequence import Request, Sequence
 
 MULTI = "naïve café 日本語 🙂 ok"
@@ -249,6 +251,67 @@ def test_engine_cumulative_stream_never_shows_a_broken_character(llm: LLM, tok) 
         for o in outs:
             assert final.text.startswith(o.outputs[0].text)
             assert not o.outputs[0].text.endswith(REPLACEMENT)
+    assert_engine_idle(llm)
+
+
+# ---- the API process's side (OutputDetokenizer) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def eos_llm(llm: LLM, tok, tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, list[int]]:
+    """The tiny Llama with a regular token as its EOS (one its greedy continuation of the returned prompt emits
+    after a few tokens), so that the EOS has text that the output must leave out."""
+    prompt = tok.encode("Hello 🙂 world!")
+    ids = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16,
+                                                                      ignore_eos=True))[0].outputs[0].token_ids
+    k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i] and tok.decode([ids[i]]).strip())
+    model = copy_with_eos(tiny_llama, tmp_path_factory.mktemp("eos") / "llama", ids[k])
+    return LLM(model, kv_cache_memory_bytes=1 << 24), prompt
+
+
+def test_the_api_process_makes_the_engines_text(eos_llm: tuple[LLM, list[int]], any_tok) -> None:
+    """Requests sent with detokenize=False (as the API process sends them to a core process) carry token ids only;
+    OutputDetokenizer then makes from them exactly the outputs the engine makes when it detokenizes: every kind, n,
+    logprobs, skip_special_tokens, broken characters, and a last token that ended the sample (EOS, a stop token)
+    without its text, unless include_stop_str_in_output."""
+    llm, prompt = eos_llm
+    engine = llm.engine
+    eos = engine.eos_token_ids[0]
+    greedy = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
+    assert greedy.finish_reason == "stop" and greedy.token_ids[-1] == eos and any_tok.decode([eos]).strip()
+    stop_token = greedy.token_ids[1]
+    delta, final, cumulative = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE
+    kinds = [
+        dict(temperature=0, max_tokens=16, output_kind=delta),  # stops on the EOS: its text left out
+        dict(temperature=0, max_tokens=16, output_kind=delta, include_stop_str_in_output=True),  # ... kept
+        dict(temperature=0, max_tokens=16, ignore_eos=True, output_kind=cumulative),  # EOS text in the middle
+        dict(temperature=0, max_tokens=16, stop_token_ids=[stop_token], output_kind=final),
+        dict(temperature=0, max_tokens=16, stop_token_ids=[stop_token], include_stop_str_in_output=True),
+        dict(n=2, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, skip_special_tokens=False,
+             output_kind=delta),
+        dict(temperature=1.0, seed=9, max_tokens=12, ignore_eos=True, logprobs=2, output_kind=cumulative),
+    ]
+    requests = [(f"k{i}", {"prompt_token_ids": prompt}, SamplingParams(**kw)) for i, kw in enumerate(kinds)]
+    requests += [(f"r{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=24, ignore_eos=True,
+                                             output_kind=delta)) for i, p in enumerate(clean_prompts(any_tok, 12, 5))]
+    engine.tokenizer = any_tok
+    try:
+        want = collect(engine, requests)
+        got = collect(engine, [(rid, p, dataclasses.replace(sp, detokenize=False)) for rid, p, sp in requests])
+    finally:
+        engine.tokenizer = llm.get_tokenizer()
+    broken = 0
+    for rid, p, sp in requests:
+        ids = p["prompt_token_ids"] if isinstance(p, dict) else p
+        detok = OutputDetokenizer(any_tok, ids, sp, engine.eos_token_ids)
+        for o in got[rid]:
+            assert all(c.text == "" for c in o.outputs)  # the engine made no text
+            detok.fill(o)
+        assert [o.outputs for o in got[rid]] == [o.outputs for o in want[rid]], rid
+        broken += any(REPLACEMENT in any_tok.decode(c.token_ids) for c in want[rid][-1].outputs)
+    assert broken, "some outputs should hold broken characters"
+    texts = {rid: "".join(c.text for o in want[rid] for c in o.outputs) for rid in ("k0", "k1")}
+    assert texts["k1"] == texts["k0"] + any_tok.decode([eos]), "the EOS's text only with include_stop_str_in_output"
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
     assert_engine_idle(llm)
 
 

@@ -3,14 +3,11 @@ strings, min_tokens, EOS and ignore_eos."""
 from __future__ import annotations
 
 import functools
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 from sampling_helpers import _one_thread, llm  # noqa: F401  (module fixtures)
 from sampling_helpers import PROMPT, greedy_sp, hf_first_logits, load_tokenizer
-from tiny_models import assert_engine_idle, hf_greedy_with_logits, random_prompts
+from tiny_models import assert_engine_idle, copy_with_eos, hf_greedy_with_logits, random_prompts
 
 from kvgate.engine import LLM, SamplingParams
 
@@ -112,14 +109,7 @@ def eos_model(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> tupl
     expected = greedy_of(tiny_llama, tuple(PROMPT))
     k = first_new_index(expected, 3, load_tokenizer(tiny_llama))
     eos = expected[k]
-    out = tmp_path_factory.mktemp("eos_model") / "llama_eos"
-    shutil.copytree(tiny_llama, out)
-    for name in ("config.json", "generation_config.json"):
-        path = Path(out) / name
-        cfg = json.loads(path.read_text())
-        cfg["eos_token_id"] = eos
-        path.write_text(json.dumps(cfg))
-    return str(out), eos, k
+    return copy_with_eos(tiny_llama, tmp_path_factory.mktemp("eos_model") / "llama_eos", eos), eos, k
 
 
 def test_eos_stops_unless_ignored(eos_model: tuple[str, int, int], tiny_llama: str) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -239,6 +240,17 @@ def load_hf_model(model_dir: str) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # never stop early: always max_new_tokens
     return model.eval()
+
+
+def copy_with_eos(model_dir: str | Path, out_dir: str | Path, eos: int) -> str:
+    """A copy of a tiny model whose EOS is token `eos` (same weights): a regular token, so that its text shows."""
+    shutil.copytree(model_dir, out_dir)
+    for name in ("config.json", "generation_config.json"):
+        path = Path(out_dir) / name
+        cfg = json.loads(path.read_text())
+        cfg["eos_token_id"] = eos
+        path.write_text(json.dumps(cfg))
+    return str(out_dir)
 
 
 @contextlib.contextmanager
