@@ -36,7 +36,7 @@ if [[ -n ${STEP_LOG:-} ]]; then
 fi
 ${SERVER_CPUS:+taskset -c $SERVER_CPUS} python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
+trap 'kill $server 2>/dev/null && wait $server 2>/dev/null; true' EXIT  # waits: the next run may take the port
 for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
 bench="${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-8} --engine-metrics"

@@ -39,20 +39,33 @@ from kvgate.gateway.server import DRAIN_MARGIN_S, GatewayServer, say
 JOIN_MARGIN_S = 10.0  # beyond the drain's own time, how long the first process waits for the others to exit
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, first: bool = False) -> socket.socket:
     """A socket of this process on the port, which the other API processes bind too (SO_REUSEPORT): the kernel spreads
     new connections over them evenly. (One socket shared by all would hand a burst of connections to whichever
-    process wakes first: asyncio accepts up to the backlog of them at once.)"""
+    process wakes first: asyncio accepts up to the backlog of them at once.)
+
+    `first`: the first API process's, bound before anything loads. SO_REUSEPORT would also let it share the port with
+    another server that listens there with that option (another kvgate serve with several API processes, an old
+    one still draining), which would then get part of the new connections: the port is first bound without the
+    option, which fails while anything listens there. (Two such servers started on one port in the same seconds,
+    neither listening yet, are not told apart.)"""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind(address)
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
-    return sock
+
+    def bound(reuse_port: bool) -> socket.socket:
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            sock.bind(address)
+        except OSError as e:
+            sock.close()
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+        return sock
+
+    if first:
+        bound(reuse_port=False).close()
+    return bound(reuse_port=True)
 
 
 class ApiServers:

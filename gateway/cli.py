@@ -147,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sockets, others = None, None
     if cfg.api_server_count > 1:  # bound first: a port in use stops kvgate before anything loads
         try:
-            sockets = [bind_socket(cfg.host, cfg.port)]
+            sockets = [bind_socket(cfg.host, cfg.port, first=True)]
         except OSError as e:
             print(f"[kvgate] {e.strerror}", file=sys.stderr, flush=True)
             return 1

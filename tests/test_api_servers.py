@@ -101,6 +101,22 @@ def test_a_port_in_use_stops_it_before_anything_loads(slow_model: str) -> None:
     assert "loading" not in run.stderr
 
 
+def test_a_port_another_server_shares_with_so_reuseport_stops_it_too(slow_model: str) -> None:
+    """Another server listening with SO_REUSEPORT (another kvgate serve with several API processes, or an old one
+    still draining) would let the kernel hand this one part of its connections: refused as any port in use."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([*CLI, "serve", *args(slow_model, port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert "loading" not in run.stderr
+
+
 def test_every_api_process_serves_a_config_files_models(tmp_path: Path, slow_model: str) -> None:
     """A config file with an embedded model and a remote one: the other process reads the same file (its relative
     paths included) and relays to the same upstream."""
