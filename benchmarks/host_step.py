@@ -2,18 +2,17 @@
 replaced at once, as a closed-loop load client does), each step's outputs pickled as the core process sends them.
 
 What a GPU server at 200 clients is bound by (benchmarks/RESULTS.md: scheduling, building the step, completing it,
-building and pickling the outputs), measured on any CPU: the model is a one-layer Qwen3 shape with a 4,096-token
-byte-level dummy tokenizer (benchmarks/dummy_tokenizer.py), its forward returns zeros and its logits are one fixed
-random table, so the step is the engine's Python and little else. Greedy, ignore_eos, DELTA outputs, sent with
-detokenize=False as a server's API process sends requests without stop strings (it makes their text itself).
+detokenizing, building and pickling the outputs), measured on any CPU: the model is a one-layer Qwen3 shape with a
+4,096-token byte-level dummy tokenizer (benchmarks/dummy_tokenizer.py), its forward returns zeros and its logits are
+one fixed random table, so the step is the engine's Python and little else. Greedy, ignore_eos, DELTA outputs.
 
   python benchmarks/host_step.py                          # 200 streams, 128 in / 128 out: ms a step
   python benchmarks/host_step.py --streams 64 --profile   # cProfile of the timed steps
   python benchmarks/host_step.py --objects                # the outputs as RequestOutput objects, not tuples
   python benchmarks/host_step.py --final                  # final outputs only, as the offline engine asks: what
                                                           # streaming costs the core a step is the difference
-  python benchmarks/host_step.py --core-detokenizes       # the core makes the text, as before the API processes
-                                                          # took that over (detokenize=False: what a server sends)
+  python benchmarks/host_step.py --no-detokenize          # requests sent with detokenize=False, as API processes
+                                                          # that share a core send those without stop strings
 """
 from __future__ import annotations
 
@@ -55,8 +54,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one run of the timed steps")
     ap.add_argument("--objects", action="store_true", help="outputs as RequestOutput objects (before DeltaTuple)")
     ap.add_argument("--final", action="store_true", help="final outputs only (the offline engine's), not deltas")
-    ap.add_argument("--core-detokenizes", action="store_true",
-                    help="the core detokenizes (the offline engine; a server's core before the API processes did)")
+    ap.add_argument("--no-detokenize", action="store_true",
+                    help="detokenize=False (API processes sharing a core make the text of such requests)")
     args = ap.parse_args()
     seats = max(256, args.streams)
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -69,7 +68,7 @@ def main() -> None:
     runner.model.forward = lambda ids, positions, intermediate=None: torch.zeros((ids.shape[0], hidden))
     runner.model.compute_logits = lambda h: logits[:h.shape[0]]
     rng = random.Random(0)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=args.core_detokenizes,
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=not args.no_detokenize,
                         output_kind=RequestOutputKind.FINAL_ONLY if args.final else RequestOutputKind.DELTA)
     added = 0
 
@@ -93,8 +92,7 @@ def main() -> None:
         add()
     run(args.steps)
     print(f"# {device_name()}, torch {torch.__version__}: {args.streams} streams, {args.input_len} in / "
-          f"{args.output_len} out, the model stubbed, detokenized {'in' if args.core_detokenizes else 'outside'} "
-          f"the core")
+          f"{args.output_len} out, the model stubbed{', not detokenized' if args.no_detokenize else ''}")
     if args.profile:
         import cProfile
         import pstats

@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable
 
 from kvgate.engine.config import EngineArgs, EngineConfig
 from kvgate.engine.core_process import RESTART_WINDOW_S, CoreProcess, RestartBudget, start_core_process
-from kvgate.engine.detokenizer import OutputDetokenizer
+from kvgate.engine.detokenizer import OutputDetokenizer, byte_table
 from kvgate.engine.engine_core import CoreOutputs, EngineCore, merge_core_outputs
 from kvgate.engine.llm_engine import LLMEngine, PromptType, encode_prompt
 from kvgate.engine.output_stream import RequestOutputStream, push_on_loop, settle
@@ -131,6 +131,14 @@ class AsyncLLMEngine:
         return self._conn is not None
 
     @property
+    def shares_core(self) -> bool:
+        """Whether the core serves several API processes (`kvgate serve --api-server-count` > 1). Each of them then
+        makes the text of its requests without stop strings, which reach the core with detokenize=False (vLLM's
+        split): there the core's step limits serving and the API processes have CPU to spare. One API process is
+        the busier one at 200 clients, so its core detokenizes (benchmarks/RESULTS.md, 2026-12-07, ninth session)."""
+        return self.clients > 1 or self._given_core is not None
+
+    @property
     def name(self) -> str:
         """The served model name, else the model's path (for logs)."""
         return self.args.served_model_name or self.args.model or "the default model"
@@ -215,8 +223,8 @@ class AsyncLLMEngine:
         if self.in_process:  # the core's outputs leave the prompt out: this side keeps it
             text, ids = encode_prompt(self.tokenizer, prompt)
             stream.prompt, prompt = (text, ids), {"prompt": text, "prompt_token_ids": ids}
-            if self.tokenizer is not None and isinstance(params, SamplingParams) and params.detokenize and \
-                    not params.stop:  # no stop string to match: the text is made here, off the core's step
+            if self.shares_core and self.tokenizer is not None and isinstance(params, SamplingParams) and \
+                    params.detokenize and not params.stop:  # no stop string to match: the text is made here
                 stream.detokenizer = OutputDetokenizer(self.tokenizer, ids, params, self.eos_token_ids)
                 params = replace(params, detokenize=False)
         conn = self._conn  # the core this request goes to: never a newer one that its failure did not see
@@ -337,6 +345,8 @@ class AsyncLLMEngine:
         self._process = core.process
         self.config, self.tokenizer, self.stats, self._conn = core.config, core.tokenizer, core.stats, core.conn
         self.eos_token_ids = eos_token_ids(core.config, core.tokenizer)
+        if self.shares_core:
+            byte_table(core.tokenizer)  # built now (for the text made here), not while the first requests wait
         if self._stopped:  # shut down while it loaded
             self._command(("stop",))
 
@@ -430,8 +440,6 @@ class AsyncLLMEngine:
                 continue
             if stream.prompt is not None:
                 o.prompt, o.prompt_token_ids = stream.prompt
-            if stream.detokenizer is not None:
-                stream.detokenizer.fill(o)  # type: ignore[arg-type]
             by_loop.setdefault(stream.loop, []).append((stream, o))
             if o.finished:
                 self._streams.pop(o.request_id, None)

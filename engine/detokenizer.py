@@ -9,10 +9,10 @@ Two ways, the same text:
 - any other tokenizer: the newest tokens are decoded with a few tokens of context before them (spaces and merges
   that depend on their neighbours come out right), twice per token.
 
-The engine detokenizes each sequence as its tokens come (the text its stop strings are matched on). With the engine
-core in a process of its own, a request without stop strings is detokenized in the API process instead (vLLM's
-split): the core gets it with `detokenize=False` and sends token ids only, and `OutputDetokenizer` makes the same
-text from them on the API side, taking that work off the core's step.
+The engine detokenizes each sequence as its tokens come (the text its stop strings are matched on). With an engine
+core shared by several API processes, a request without stop strings is detokenized in its API process instead
+(vLLM's split): the core gets it with `detokenize=False` and sends token ids only, and `OutputDetokenizer` makes the
+same text from them there, taking that work off the core's step.
 """
 from __future__ import annotations
 
@@ -201,21 +201,22 @@ class OutputDetokenizer:
         self.samples: dict[int, _Text] = {}
 
     def fill(self, out: RequestOutput) -> None:
+        tokenizer, skip = self.tokenizer, self.skip_special_tokens
         for c in out.outputs:
             s = self.samples.get(c.index)
             if s is None:
                 s = self.samples[c.index] = _Text(self.context)
             new = c.token_ids if self.delta else c.token_ids[len(s.token_ids) - s.num_prompt_tokens:]
-            start, last = len(s.text), len(new) - 1
-            for i, t in enumerate(new):
+            start = len(s.text)
+            last_without_text = c.finish_reason == "stop" and new and self._stopped_on_token(c.stop_reason, new[-1])
+            for t in new[:-1] if last_without_text else new:
                 s.token_ids.append(t)
-                if i == last and self._without_text(c.finish_reason, c.stop_reason, t):
-                    break  # (the core does not detokenize it)
-                detokenize_incrementally(self.tokenizer, s, self.skip_special_tokens)  # type: ignore[arg-type]
+                detokenize_incrementally(tokenizer, s, skip)  # type: ignore[arg-type]
+            if last_without_text:
+                s.token_ids.append(new[-1])  # (the core does not detokenize it)
             c.text = s.text[start:] if self.delta else s.text
 
-    def _without_text(self, finish_reason: str | None, stop_reason: int | str | None, last: int) -> bool:
-        """Whether a sample's last token ended it without being detokenized: a stop token or EOS (the core decides
-        those on the token id, before the text)."""
-        return finish_reason == "stop" and not self.include_stop and (
-            isinstance(stop_reason, int) or last in self.eos_token_ids)
+    def _stopped_on_token(self, stop_reason: int | str | None, last: int) -> bool:
+        """Whether a sample that stopped ("stop") did so on its last token's id (a stop token or EOS, which the core
+        decides before the text, leaving that token's text out) unless include_stop_str_in_output."""
+        return not self.include_stop and (isinstance(stop_reason, int) or last in self.eos_token_ids)

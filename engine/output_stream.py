@@ -39,7 +39,8 @@ class RequestOutputStream:
         self.loop = loop
         self.delta = delta
         self.prompt: tuple[str | None, list[int]] | None = None  # filled into outputs that come without it
-        self.detokenizer: OutputDetokenizer | None = None  # fills the text of outputs that come without it
+        self.detokenizer: OutputDetokenizer | None = None  # fills the text of outputs that come without it, as
+        # they are read
         self._pending: RequestOutput | BaseException | None = None
         self._waiter: asyncio.Future | None = None  # the consumer's while it waits in get() (a bare future:
         # an asyncio.Event's set/wait/clear showed as ~10% of a busy API process's samples)
@@ -65,6 +66,8 @@ class RequestOutputStream:
         if isinstance(item, BaseException):
             raise item
         assert item is not None
+        if self.detokenizer is not None:  # here, not on the thread that reads the core's pipe: that thread keeps
+            self.detokenizer.fill(item)  # up with the core, and merged outputs are detokenized once
         return item
 
 

@@ -189,10 +189,11 @@ def core_texts(engine) -> dict[str, tuple[bool, str]]:
     return {rid: (r.sampling_params.detokenize, r.seqs[0].text) for rid, r in engine.requests.items()}
 
 
-def test_the_api_process_detokenizes_what_needs_no_stop_string(tiny_llama: str) -> None:
-    """With the core in its own process, a request without stop strings reaches the core with detokenize=False
-    and its text is made in the API process: the same outputs as an engine that detokenizes. A request with stop
-    strings is detokenized by the core, which matches them on the text."""
+def test_api_processes_sharing_a_core_detokenize_what_needs_no_stop_string(tiny_llama: str) -> None:
+    """With the core serving several API processes, a request without stop strings reaches the core with
+    detokenize=False and its text is made in its API process: the same outputs as an engine that detokenizes. A
+    request with stop strings is detokenized by the core, which matches them on the text; so is every request of a
+    core that serves one API process."""
     from sampling_helpers import PROMPTS
 
     from kvgate.engine import LLM
@@ -203,34 +204,44 @@ def test_the_api_process_detokenizes_what_needs_no_stop_string(tiny_llama: str) 
              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[PROMPTS[2][0]],
                             skip_special_tokens=False, output_kind=delta)]
     offline = LLM(tiny_llama, seed=0)
-    want = [offline.generate([{"prompt_token_ids": p}], sp)[0].outputs for p, sp in zip(PROMPTS, kinds)]
-    eng = start(tiny_llama, seed=0)
+    want = [[(c.index, c.text, c.finish_reason) for c in offline.generate([{"prompt_token_ids": p}], sp)[0].outputs]
+            for p, sp in zip(PROMPTS, kinds)]
+    assert any(text for w in want for _, text, _ in w)
 
-    async def outputs(i: int, sp: SamplingParams) -> list:
+    async def outputs(eng: AsyncLLMEngine, i: int, sp: SamplingParams) -> list:
         texts: dict[int, str] = {}
         async for o in eng.generate({"prompt_token_ids": PROMPTS[i]}, sp, f"q{i}"):
             for c in o.outputs:
                 texts[c.index] = texts.get(c.index, "") + c.text if sp.output_kind is delta else c.text
         return [(c.index, texts[c.index], c.finish_reason) for c in o.outputs]
 
-    async def main() -> tuple[list, dict]:
+    async def main(eng: AsyncLLMEngine) -> tuple[list, dict]:
         long = eng.generate([5, 6, 7], LONG, "long")
         stopped = eng.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True,
-                                                         stop=["never said"], output_kind=delta),
-                               "stopped")
+                                                         stop=["never said"], output_kind=delta), "stopped")
         await long.__anext__(), await stopped.__anext__()
         seen = await eng.call(core_texts)
         await long.aclose(), await stopped.aclose()
-        return await asyncio.gather(*(outputs(i, sp) for i, sp in enumerate(kinds))), seen
+        return await asyncio.gather(*(outputs(eng, i, sp) for i, sp in enumerate(kinds))), seen
 
+    shared = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, engine_core_process=True, seed=0),
+                                             clients=2)
     try:
-        got, seen = asyncio.run(main())
-        assert seen["long"][0] is False and seen["long"][1] == ""  # the core made no text
-        assert seen["stopped"][0] is True and seen["stopped"][1]  # it matches stop strings on its own text
-        assert got == [[(c.index, c.text, c.finish_reason) for c in w] for w in want]
-        assert any(c.text for w in want for c in w) and want[2][0].finish_reason in ("stop", "length")
+        asyncio.run(shared.wait_until_ready(timeout=120))
+        shared.shared_core.clients[0].close()  # the other API process's pipe: that client leaves at once
+        got, seen = asyncio.run(main(shared))
+        assert seen["0/long"] == (False, "")  # the core made no text
+        assert seen["0/stopped"][0] is True and seen["0/stopped"][1]  # it matches stop strings on its own text
+        assert got == want
     finally:
-        eng.shutdown()
+        shared.shutdown()
+    single = start(tiny_llama, seed=0)
+    try:
+        got, seen = asyncio.run(main(single))
+        assert seen["long"][0] is True and seen["long"][1]  # one API process: the core makes the text
+        assert got == want
+    finally:
+        single.shutdown()
 
 
 def test_one_core_serves_two_api_processes_pipes(tiny_llama: str) -> None:
