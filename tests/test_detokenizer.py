@@ -2,6 +2,7 @@
 (cut before the stop string, never leaked in a stream), as units and through the engine on a tiny model."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import random
@@ -13,6 +14,7 @@ from tiny_models import VOCAB_SIZE, assert_engine_idle, copy_with_eos, one_threa
 from kvgate.engine import LLM, LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
 from kvgate.engine.detokenizer import (OutputDetokenizer, byte_table, check_stop_strings, detokenize_incrementally,
                                        init_offsets)
+from kvgate.engine.output_stream import merge_delta
 from kvgate.engine.sequence import Request, Sequence
 
 MULTI = "naïve café 日本語 🙂 ok"
@@ -267,11 +269,21 @@ def eos_llm(llm: LLM, tok, tiny_llama: str, tmp_path_factory: pytest.TempPathFac
     return LLM(model, kv_cache_memory_bytes=1 << 24), prompt
 
 
+def joined(outs: list[RequestOutput]) -> dict[int, str]:
+    """Each sample's text, the outputs' deltas joined."""
+    texts: dict[int, str] = {}
+    for o in outs:
+        for c in o.outputs:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    return texts
+
+
 def test_the_api_process_makes_the_engines_text(eos_llm: tuple[LLM, list[int]], any_tok) -> None:
-    """Requests sent with detokenize=False (as the API process sends them to a core process) carry token ids only;
+    """Requests sent with detokenize=False (as API processes that share a core send them) carry token ids only;
     OutputDetokenizer then makes from them exactly the outputs the engine makes when it detokenizes: every kind, n,
     logprobs, skip_special_tokens, broken characters, and a last token that ended the sample (EOS, a stop token)
-    without its text, unless include_stop_str_in_output."""
+    without its text, unless include_stop_str_in_output. Streamed outputs merged while unread (as a stream read late
+    holds them) get the same text in all."""
     llm, prompt = eos_llm
     engine = llm.engine
     eos = engine.eos_token_ids[0]
@@ -301,6 +313,13 @@ def test_the_api_process_makes_the_engines_text(eos_llm: tuple[LLM, list[int]], 
     broken = 0
     for rid, p, sp in requests:
         ids = p["prompt_token_ids"] if isinstance(p, dict) else p
+        if sp.output_kind is delta:  # read three at a time: one output holding three steps' tokens
+            merged = [functools.reduce(merge_delta, got[rid][i:i + 3]) for i in range(0, len(got[rid]), 3)]
+            merged = copy.deepcopy(merged)
+            detok = OutputDetokenizer(any_tok, ids, sp, engine.eos_token_ids)
+            for o in merged:
+                detok.fill(o)
+            assert len(merged) < len(got[rid]) and joined(merged) == joined(want[rid]), rid
         detok = OutputDetokenizer(any_tok, ids, sp, engine.eos_token_ids)
         for o in got[rid]:
             assert all(c.text == "" for c in o.outputs)  # the engine made no text
