@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from serve_helpers import CLI, free_port, serve_process
 from test_serve_lifecycle import (BLOCKS, blocks_in_use_at_stop, core_pid, read_in_background, slow_model,  # noqa: F401
@@ -88,26 +89,15 @@ def test_an_engine_core_on_a_thread_cannot_serve_several_api_processes(tmp_path:
     assert "engine_core_process false cannot serve api_server_count 2 processes" in run.stderr
 
 
-def test_a_port_in_use_stops_it_before_anything_loads(slow_model: str) -> None:
+@pytest.mark.parametrize("reuse_port", [False, True])
+def test_a_port_in_use_stops_it_before_anything_loads(slow_model: str, reuse_port: bool) -> None:
+    """Any server listening on the port stops it; one listening with SO_REUSEPORT too (another kvgate serve with
+    several API processes, or an old one still draining), which would otherwise get part of its connections."""
     import socket
 
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        run = subprocess.run([*CLI, "serve", *args(slow_model, port)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
-    assert "loading" not in run.stderr
-
-
-def test_a_port_another_server_shares_with_so_reuseport_stops_it_too(slow_model: str) -> None:
-    """Another server listening with SO_REUSEPORT (another kvgate serve with several API processes, or an old one
-    still draining) would let the kernel hand this one part of its connections: refused as any port in use."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if reuse_port:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
