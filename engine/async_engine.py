@@ -75,7 +75,7 @@ class AsyncLLMEngine:
         self.core_stop_timeout = 10.0  # shutdown(): seconds the core's process gets to exit before it is killed
         self.config: EngineConfig | None = None  # set once loaded (max_model_len as the KV cache allows)
         self.tokenizer: Any = None  # set once loaded (None with skip_tokenizer_init)
-        self.eos_token_ids: list[int] = []  # with the core in its own process: for the text made here
+        self.eos_token_ids: list[int] = []  # set when this process makes text (shares_core)
         self.engine: LLMEngine | None = None  # the engine itself when its core runs on a thread of this process
         self.load_error: BaseException | None = None
         self.load_time: float | None = None  # seconds the load took (set when it is done, failed or not)
@@ -344,9 +344,9 @@ class AsyncLLMEngine:
         """Take a core process that reported ready as this engine's core."""
         self._process = core.process
         self.config, self.tokenizer, self.stats, self._conn = core.config, core.tokenizer, core.stats, core.conn
-        self.eos_token_ids = eos_token_ids(core.config, core.tokenizer)
-        if self.shares_core:
-            byte_table(core.tokenizer)  # built now (for the text made here), not while the first requests wait
+        if self.shares_core and core.tokenizer is not None:  # this process makes the text of some requests
+            self.eos_token_ids = eos_token_ids(core.config, core.tokenizer)
+            byte_table(core.tokenizer)  # built now, not while the first requests wait for it
         if self._stopped:  # shut down while it loaded
             self._command(("stop",))
 
