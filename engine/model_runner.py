@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,7 +19,6 @@ from kvgate.engine.kv_offload.disk import rank_directory
 from kvgate.engine.models.layers import use_fused_ops
 from kvgate.engine.models.loader import get_model
 from kvgate.engine.models.parallel import local_units
-from kvgate.engine.sampler import to_device
 from kvgate.engine.step_input import RunnerState, StepInput
 from kvgate.kernels.cpu_linear import can_pack, pack_linears
 from kvgate.kernels.metadata import AttentionMetadata
@@ -65,7 +65,7 @@ class ModelRunner:
                 self.model.lm_head = nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
                 self.model.lm_head.weight = head.weight
             pack_linears(self.model)
-        self.state = RunnerState()  # the sequences this runner runs, as the step messages told it
+        self.state = RunnerState(rows=config.max_num_seqs)  # the sequences it runs, as the step messages told it
         # every rank sizes its own cache; all use the smallest number of blocks (the scheduler's is shared)
         self.num_blocks = get_world_group().min_over_ranks(self._num_blocks())
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
@@ -222,55 +222,51 @@ class ModelRunner:
 
     def prepare(self, step: StepInput, sampled: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """Flat step tensors for the step's scheduled sequences (decodes first); also the rows whose logits are
-        needed. `sampled`: the tokens the step before sampled, on the device, for the step's pending tokens
-        (async scheduling)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts, seq_lens, logits_rows = [0], [], []
-        states = self.state.apply(step)
-        max_blocks = max(len(s.block_table) for s in states)
-        tables: list[int] = []  # flat, each row padded to max_blocks
-        end = 0
-        for s, n, c, wanted in zip(states, step.num_new_tokens, step.num_computed_tokens, step.samples):
-            table = s.block_table
-            if n == 1:  # a decode (hot: once per sequence and step)
-                ids = s.token_ids
-                input_ids.append(ids[c] if c < len(ids) else 0)  # (a pending token: filled in on the device below)
-                positions.append(c)
-                slots.append(table[c // bs] * bs + c % bs)
-            else:
-                tokens = s.token_ids[c:c + n]
-                input_ids.extend(tokens)
-                if len(tokens) < n:  # its last token is pending: filled in on the device below
-                    input_ids.extend([0] * (n - len(tokens)))
-                positions.extend(range(c, c + n))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            end += n
-            starts.append(end)
-            seq_lens.append(c + n)
-            if wanted:
-                logits_rows.append(end - 1)
-            tables += table
-            if len(table) < max_blocks:
-                tables += [0] * (max_blocks - len(table))
-        # two copies to the device (through pinned memory on CUDA: the host does not wait), each of the step's
-        # lists one after the other, every one starting 16-byte aligned (as Triton's kernels are specialized)
-        ids, positions_t, slot_mapping = _packed_to_device((input_ids, positions, slots), torch.long, self.device)
-        query_start_loc, seq_lens_t, block_tables = _packed_to_device((starts, seq_lens, tables), torch.int32,
+        """Flat step tensors for the step's scheduled sequences (decodes first), gathered from their rows of the
+        persistent batch (RunnerState); also the rows whose logits are needed. `sampled`: the tokens the step before
+        sampled, on the device, for the step's pending tokens (async scheduling)."""
+        bs, st = self.block_size, self.state
+        rows = st.apply(step)
+        nd, num_seqs = step.num_decodes, len(rows)
+        counts = np.asarray(step.num_new_tokens, dtype=np.int64)
+        computed = np.asarray(step.num_computed_tokens, dtype=np.int64)
+        seq_lens = computed + counts
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        # decodes, one token each: its last token (or 0 where it is pending: filled in on the device below)
+        d_rows, d_pos = rows[:nd], computed[:nd]
+        ids = [np.where(d_pos < st.num_tokens[d_rows], st.last_token[d_rows], 0)]
+        positions = [d_pos]
+        slots = [st.block_tables[d_rows, d_pos // bs] * bs + d_pos % bs]
+        for i in range(nd, num_seqs):  # prompt chunks
+            c, n, row = int(computed[i]), int(counts[i]), int(rows[i])
+            tokens = st.seqs[step.seq_ids[i]].token_ids[c:c + n]
+            if len(tokens) < n:  # its last token is pending: filled in on the device below
+                tokens = tokens + [0] * (n - len(tokens))
+            pos = np.arange(c, c + n, dtype=np.int64)
+            ids.append(np.asarray(tokens, dtype=np.int64))
+            positions.append(pos)
+            slots.append(st.block_tables[row, pos // bs] * bs + pos % bs)
+        max_blocks = max(1, int(st.num_blocks[rows].max()))
+        tables = st.block_tables[rows, :max_blocks]
+        ends = starts[1:] - 1
+        dst = ends[step.pending_rows] if step.pending_rows else ()
+        # two copies to the device (through pinned memory on CUDA: the host does not wait), each array one after the
+        # other, every one starting 16-byte aligned (as Triton's kernels are specialized)
+        (ids_t, positions_t, slot_mapping, dst_t, src_t) = _packed_to_device(
+            (np.concatenate(ids), np.concatenate(positions), np.concatenate(slots), dst, step.pending_src),
+            torch.long, self.device)
+        query_start_loc, seq_lens_t, block_tables = _packed_to_device((starts, seq_lens, tables.ravel()), torch.int32,
                                                                       self.device)
+        starts_cpu, lens_cpu = starts.tolist(), seq_lens.tolist()
         md = AttentionMetadata(
             slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens_t,
-            block_tables=block_tables.view(len(states), max_blocks), num_decodes=step.num_decodes,
-            max_query_len=max(step.num_new_tokens), max_seq_len=max(seq_lens), block_size=bs,
-            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+            block_tables=block_tables.view(num_seqs, max_blocks), num_decodes=nd,
+            max_query_len=int(counts.max()), max_seq_len=max(lens_cpu), block_size=bs,
+            query_start_loc_cpu=starts_cpu, seq_lens_cpu=lens_cpu)
         if step.pending_rows:
-            t = functools.partial(to_device, device=self.device)
-            dst = t([starts[i + 1] - 1 for i in step.pending_rows], torch.long)
-            ids[dst] = sampled[t(step.pending_src, torch.long)]  # type: ignore[index]
-        return ids, positions_t, md, logits_rows
+            ids_t[dst_t] = sampled[src_t]  # type: ignore[index]
+        return ids_t, positions_t, md, ends[np.asarray(step.samples, dtype=bool)].tolist()
 
     def _local_forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_rows: int) -> None:
         """This stage's part of a step with made-up inputs (warm-up, memory profile): nothing is sent."""
@@ -364,15 +360,17 @@ class ModelRunner:
 _ALIGN = 4  # elements: 16 bytes of int32, 32 of int64
 
 
-def _packed_to_device(lists: tuple[list[int], ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """The lists on the device in one copy (to_device): one after the other, each starting at a multiple of _ALIGN
-    elements; the views holding each."""
-    flat: list[int] = []
-    at: list[int] = []
-    for values in lists:
-        at.append(len(flat))
-        flat += values
-        if len(values) % _ALIGN:
-            flat += [0] * (_ALIGN - len(values) % _ALIGN)
-    packed = to_device(flat, dtype, device)
-    return [packed[a:a + len(values)] for a, values in zip(at, lists)]
+def _packed_to_device(arrays: tuple, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The 1-D arrays (numpy or lists of ints) on the device in one copy: one after the other in one host buffer
+    (pinned on CUDA, so that the host does not wait for the copy), each starting at a multiple of _ALIGN elements;
+    the views holding each."""
+    at, total = [], 0
+    for a in arrays:
+        at.append(total)
+        total += -(-len(a) // _ALIGN) * _ALIGN
+    host = torch.empty(max(total, 1), dtype=dtype, pin_memory=device.type == "cuda")
+    flat = host.numpy()
+    for a, i in zip(arrays, at):
+        flat[i:i + len(a)] = a
+    packed = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return [packed[i:i + len(a)] for a, i in zip(arrays, at)]

@@ -15,12 +15,15 @@ So what crosses a process each step is a few integers per sequence, whatever the
 flat lists of ints (no object per sequence), which keeps a step's allocations, and the garbage collector's work,
 small.
 
-StepInputBuilder (engine side) remembers what the runners were sent; RunnerState (runner side) applies a message.
+StepInputBuilder (engine side) remembers what the runners were sent; RunnerState (runner side) applies a message to
+its persistent batch.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from kvgate.engine.scheduler import SchedulerOutput
@@ -113,34 +116,82 @@ class StepInputBuilder:
 @dataclass
 class SeqState:
     token_ids: list[int]
-    block_table: list[int]
+    row: int  # its row of the RunnerState's arrays
 
 
 class RunnerState:
-    """A runner's copy of the sequences it runs, kept up to date by each step's message."""
+    """A runner's copy of the sequences it runs, kept up to date by each step's message, as a persistent batch (vLLM's
+    InputBatch): every sequence holds a row of numpy arrays (its block table, its number of tokens and its last
+    token) from its first step to its last, a message writes only what changed, and a step's tensors are gathered
+    from the scheduled rows in a few array operations (ModelRunner.prepare). The token lists serve prompt chunks."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 64, width: int = 16) -> None:
         self.seqs: dict[int, SeqState] = {}
+        self.block_tables = np.zeros((rows, width), dtype=np.int32)  # padded with 0 past a row's num_blocks
+        self.num_blocks = np.zeros(rows, dtype=np.int64)
+        self.num_tokens = np.zeros(rows, dtype=np.int64)
+        self.last_token = np.zeros(rows, dtype=np.int64)
+        self.free_rows = list(range(rows - 1, -1, -1))  # popped from the end: the lowest row first
 
-    def apply(self, msg: StepInput) -> list[SeqState]:
-        """Take the message's changes; returns the scheduled sequences' states, in its order."""
+    def block_table(self, seq_id: int) -> list[int]:
+        row = self.seqs[seq_id].row
+        return self.block_tables[row, :self.num_blocks[row]].tolist()
+
+    def apply(self, msg: StepInput) -> np.ndarray:
+        """Take the message's changes; returns the scheduled sequences' rows, in its order."""
         seqs = self.seqs
         for sid in msg.freed:
-            seqs.pop(sid, None)
+            gone = seqs.pop(sid, None)
+            if gone is not None:
+                self.block_tables[gone.row, :self.num_blocks[gone.row]] = 0
+                self.free_rows.append(gone.row)
         for new in msg.new_seqs:
-            seqs[new.seq_id] = SeqState(new.token_ids, new.block_table)
-        t = b = 0
-        tokens, blocks = msg.added_tokens, msg.added_blocks
-        for sid, nt, nb in zip(msg.added_seq_ids, msg.added_num_tokens, msg.added_num_blocks):
-            s = seqs[sid]
-            if nt == 1:
-                s.token_ids.append(tokens[t])
-            elif nt:
-                s.token_ids.extend(tokens[t:t + nt])
-            if nb == 1:
-                s.block_table.append(blocks[b])
-            elif nb:
-                s.block_table.extend(blocks[b:b + nb])
-            t += nt
-            b += nb
-        return [seqs[sid] for sid in msg.seq_ids]
+            if not self.free_rows:
+                self._grow(rows=2 * len(self.num_blocks))
+            row = self.free_rows.pop()
+            seqs[new.seq_id] = SeqState(new.token_ids, row)
+            self.num_blocks[row] = 0
+            self._add_blocks(row, new.block_table)
+            self.num_tokens[row] = len(new.token_ids)
+            self.last_token[row] = new.token_ids[-1] if new.token_ids else 0
+        if msg.added_seq_ids:
+            t = b = 0
+            rows = []
+            tokens, blocks = msg.added_tokens, msg.added_blocks
+            for sid, nt, nb in zip(msg.added_seq_ids, msg.added_num_tokens, msg.added_num_blocks):
+                s = seqs[sid]
+                rows.append(s.row)
+                if nt == 1:
+                    s.token_ids.append(tokens[t])
+                elif nt:
+                    s.token_ids.extend(tokens[t:t + nt])
+                if nb:
+                    self._add_blocks(s.row, blocks[b:b + nb])
+                t += nt
+                b += nb
+            added = np.asarray(msg.added_num_tokens, dtype=np.int64)
+            at = np.asarray(rows, dtype=np.int64)
+            self.num_tokens[at] += added
+            gained = added > 0
+            self.last_token[at[gained]] = np.asarray(tokens, dtype=np.int64)[np.cumsum(added)[gained] - 1]
+        return np.fromiter((seqs[sid].row for sid in msg.seq_ids), dtype=np.int64, count=len(msg.seq_ids))
+
+    def _add_blocks(self, row: int, blocks: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(blocks)
+        if end > self.block_tables.shape[1]:
+            self._grow(width=max(end, 2 * self.block_tables.shape[1]))
+        self.block_tables[row, start:end] = blocks
+        self.num_blocks[row] = end
+
+    def _grow(self, rows: int | None = None, width: int | None = None) -> None:
+        old_rows, old_width = self.block_tables.shape
+        rows, width = rows or old_rows, width or old_width
+        tables = np.zeros((rows, width), dtype=np.int32)
+        tables[:old_rows, :old_width] = self.block_tables
+        self.block_tables = tables
+        for name in ("num_blocks", "num_tokens", "last_token"):
+            grown = np.zeros(rows, dtype=np.int64)
+            grown[:old_rows] = getattr(self, name)
+            setattr(self, name, grown)
+        self.free_rows[:0] = range(rows - 1, old_rows - 1, -1)  # below the free rows already there: taken last

@@ -84,14 +84,17 @@ def test_preemption_forks_and_aborts_keep_every_rank_in_step(tiny_llama: str) ->
                 steps += 1
                 if steps == 3:
                     engine.abort_request("gone")
-                state, pending = engine.runner.state.seqs, set(engine.block_manager.freed_seq_ids)
+                runner_state = engine.runner.state
+                state, pending = runner_state.seqs, set(engine.block_manager.freed_seq_ids)
                 live = {s.seq_id: s for r in engine.requests.values() for s in r.seqs if s.block_table}
                 assert set(state) - pending <= set(live)
                 for sid, st in state.items():
                     if sid in live and sid not in pending:
                         seq = live[sid]
-                        assert st.block_table == seq.block_table
+                        assert runner_state.block_table(sid) == seq.block_table
                         assert st.token_ids == seq.token_ids[: len(st.token_ids)]
+                        assert runner_state.num_tokens[st.row] == len(st.token_ids)
+                        assert runner_state.last_token[st.row] == st.token_ids[-1]
                         assert len(seq.token_ids) - len(st.token_ids) <= 1  # at most the token just sampled
             assert engine.scheduler.num_preemptions > 0
             assert max(busy) == pp - 1  # with two stages, a step starts while the last one is still on them

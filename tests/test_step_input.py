@@ -24,9 +24,11 @@ def test_new_sequences_come_whole_then_only_what_they_gained() -> None:
     a, b = seq(1, [5, 6, 7], [0]), seq(2, list(range(40)), [3, 4])
     msg = builder.build(planned([(a, 3), (b, 32)]), [])
     assert [n.seq_id for n in msg.new_seqs] == [1, 2] and not msg.added_seq_ids
-    states = state.apply(msg)
-    assert [s.token_ids for s in states] == [[5, 6, 7], list(range(40))]
-    assert states[0].token_ids is not a.token_ids  # a copy: the engine's list keeps growing on its own
+    rows = state.apply(msg)
+    assert rows.tolist() == [0, 1]  # the lowest free rows of the persistent batch
+    assert [state.seqs[i].token_ids for i in (1, 2)] == [[5, 6, 7], list(range(40))]
+    assert state.seqs[1].token_ids is not a.token_ids  # a copy: the engine's list keeps growing on its own
+    assert state.num_tokens[rows].tolist() == [3, 40] and state.last_token[rows].tolist() == [7, 39]
 
     a.token_ids.append(8)
     a.num_computed_tokens = 3
@@ -36,8 +38,9 @@ def test_new_sequences_come_whole_then_only_what_they_gained() -> None:
     assert msg.seq_ids == [1, 2] and msg.num_new_tokens == [1, 8] and msg.num_computed_tokens == [3, 32]
     assert (msg.added_seq_ids, msg.added_num_tokens, msg.added_tokens) == ([1, 2], [1, 0], [8])
     assert (msg.added_num_blocks, msg.added_blocks) == ([0, 3], [9, 10, 11])
-    states = state.apply(msg)
-    assert states[0].token_ids == [5, 6, 7, 8] and states[1].block_table == [3, 4, 9, 10, 11]
+    assert state.apply(msg).tolist() == [0, 1]
+    assert state.seqs[1].token_ids == [5, 6, 7, 8] and state.block_table(2) == [3, 4, 9, 10, 11]
+    assert state.num_tokens[:2].tolist() == [4, 40] and state.last_token[:2].tolist() == [8, 39]
 
     msg = builder.build(planned([(b, 1)]), [])  # nothing new for b; a not scheduled
     assert not msg.added_seq_ids and not msg.new_seqs
@@ -52,11 +55,31 @@ def test_freed_sequences_are_forgotten_and_come_back_whole() -> None:
     a.block_table = [4]  # preempted (blocks dropped), then scheduled again with new blocks
     msg = builder.build(planned([(a, 4)]), [1, 77])  # 77: never sent, nothing to forget
     assert msg.freed == [1] and [n.token_ids for n in msg.new_seqs] == [[5, 6, 7, 9]]
-    (s,) = state.apply(msg)
-    assert s.token_ids == [5, 6, 7, 9] and s.block_table == [4]
+    (row,) = state.apply(msg)
+    assert state.seqs[1].token_ids == [5, 6, 7, 9] and state.block_table(1) == [4]
+    assert state.block_tables[row].tolist()[:3] == [4, 0, 0]  # the row's old table is gone
     msg = builder.build(planned([]), [1])
     state.apply(msg)
     assert msg.freed == [1] and state.seqs == {} and builder.sent == {}
+    assert not state.block_tables.any()  # a freed row is cleared for its next sequence
+
+
+def test_the_persistent_batch_grows_and_reuses_rows() -> None:
+    """More sequences than rows, and block tables wider than the arrays: both grow, the contents kept; a freed row
+    goes to the next new sequence."""
+    builder, state = StepInputBuilder(), RunnerState(rows=2, width=2)
+    seqs = [seq(i, [i, i + 1], [10 * i + j for j in range(3 + i)]) for i in range(5)]
+    rows = state.apply(builder.build(planned([(s, 2) for s in seqs]), []))
+    assert sorted(rows.tolist()) == list(range(5)) and state.block_tables.shape[0] >= 5
+    assert [state.block_table(s.seq_id) for s in seqs] == [s.block_table for s in seqs]
+    seqs[1].token_ids.append(7)
+    seqs[1].block_table.append(99)
+    freed_row = state.seqs[3].row
+    late = seq(9, [4], [5])
+    rows = state.apply(builder.build(planned([(seqs[1], 1), (late, 1)]), [3]))
+    assert rows.tolist() == [state.seqs[1].row, freed_row]
+    assert state.block_table(1) == [10, 11, 12, 13, 99] and state.block_table(9) == [5]
+    assert state.last_token[state.seqs[1].row] == 7 and state.num_tokens[freed_row] == 1
 
 
 def test_pending_tokens_point_at_the_rows_the_step_before_sampled() -> None:
