@@ -127,6 +127,14 @@ def check_fused(dtype: torch.dtype) -> list[dict]:
     want_q, _ = rope(pos, q.float(), k.float())
     got_q, _ = triton_fused.rotary(pos, q, k, rope.cos, rope.sin)
     rows.append({"kernel": "rotary (rel)", "max_abs_err": rel(got_q, want_q)})
+    qn, kn = RMSNorm(d, 1e-6).cuda(), RMSNorm(d, 1e-6).cuda()
+    qkv = torch.randn(t, (h + 2 * kvh) * d, device="cuda").to(dtype)
+    q, k = qkv[:, : h * d].view(t, h, d), qkv[:, h * d:(h + kvh) * d].view(t, kvh, d)
+    want_q, want_k = rope(pos, qn(q.float()), kn(k.float()))
+    got_q, got_k = triton_fused.qk_norm_rotary(pos, q, k, qn.weight.to(dtype), kn.weight.to(dtype), qn.eps, rope.cos,
+                                               rope.sin)
+    rows.append({"kernel": "qk_norm_rotary q (rel)", "max_abs_err": rel(got_q, want_q)})
+    rows.append({"kernel": "qk_norm_rotary k (rel)", "max_abs_err": rel(got_k, want_k)})
     a = torch.randn(t, 2 * inter, device="cuda").to(dtype)
     rows.append({"kernel": "silu_and_mul (rel)", "max_abs_err": rel(triton_fused.silu_and_mul(a), silu_and_mul(a.float()))})
     return [{"shape": "qwen3-0.6b", "block_size": "-", "split": "-", **r} for r in rows]

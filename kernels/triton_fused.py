@@ -6,6 +6,8 @@ halves, concatenations) than in its attention at short contexts; each op below i
   over rows of a [rows, groups, dim] view, so that q/k head norms run on the strided q/k views too;
 - rotary: neox-style rotary embedding of q and k in place, cos/sin read at each token's position (fp32),
   with no per-step cos/sin gather;
+- qk_norm_rotary: Qwen3's q/k head norms and the rotary embedding of q and k in one kernel, in place (what the two
+  rms_norm calls and rotary compute, with the same roundings, in one launch);
 - silu_and_mul: silu(gate) * up of a [tokens, 2 * inter] activation.
 Everything is computed in fp32 and rounded once at the store. TRITON_INTERPRET=1 must be set before this
 module is first imported for the kernels to run on the CPU (tests).
@@ -105,6 +107,61 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
                                  HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
         out.append(x)
     return out[0], out[1]
+
+
+@triton.jit
+def _norm_rotate(x_ptr, w_ptr, cos, sin, stride_h, num_heads, eps, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+                 HALF_PAD: tl.constexpr):
+    """RMSNorm (weight w) then rotary of one token's heads starting at x_ptr, in place; as rms_norm then rotary
+    compute it: the normed value rounded to x's dtype before it is rotated."""
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    mask = (offs_h < num_heads)[:, None] & d_mask[None, :]
+    p1 = x_ptr + offs_h[:, None] * stride_h + offs_d[None, :]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    rs = (1.0 / tl.sqrt((row_sum(x1 * x1, 1) + row_sum(x2 * x2, 1)) / (2 * HALF) + eps))[:, None]
+    dt = x_ptr.dtype.element_ty
+    w1 = tl.load(w_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    n1 = (w1 * (x1 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    n2 = (w2 * (x2 * rs).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(p1, (n1 * cos - n2 * sin).to(dt), mask=mask)
+    tl.store(p1 + HALF, (n2 * cos + n1 * sin).to(dt), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cos_ptr, sin_ptr, stride_qt, stride_qh, stride_kt,
+                           stride_kh, stride_cs, num_heads, num_kv_heads, eps, HALF: tl.constexpr,
+                           HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    cos = tl.load(cos_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_cs + offs_d, mask=d_mask, other=0.0)[None, :]
+    _norm_rotate(q_ptr + t * stride_qt, qw_ptr, cos, sin, stride_qh, num_heads, eps, HALF, HEADS_PAD, HALF_PAD)
+    _norm_rotate(k_ptr + t * stride_kt, kw_ptr, cos, sin, stride_kh, num_kv_heads, eps, HALF, KV_HEADS_PAD, HALF_PAD)
+
+
+def qk_norm_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                   k_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary(positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)) IN PLACE in one launch: q [T, h, d]
+    and k [T, kvh, d] (strided views of the qkv projection, say); cos/sin: [max_pos, d/2] fp32. Returns (q, k)."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    if t:
+        _qk_norm_rotary_kernel[(t,)](
+            q, k, q_weight, k_weight, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos.stride(0), heads, kv_heads, eps, HALF=d // 2, HEADS_PAD=triton.next_power_of_2(heads),
+            KV_HEADS_PAD=triton.next_power_of_2(kv_heads), HALF_PAD=triton.next_power_of_2(d // 2), num_warps=4)
+    return q, k
 
 
 @triton.jit

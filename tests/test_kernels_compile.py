@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 KERNELS = {"_decode_kernel", "_reduce_kernel", "_prefill_kernel", "_store_kvcache_kernel", "_rms_norm_kernel",
-           "_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel"}
+           "_rotary_kernel", "_qk_norm_rotary_kernel", "_silu_and_mul_kernel", "_sample_kernel"}
 
 
 def test_every_kernel_compiles_for_sm90() -> None:

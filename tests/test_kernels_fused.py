@@ -85,6 +85,32 @@ def test_rotary_in_place_on_qkv_views(dtype: torch.dtype, heads: int, kv_heads: 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 16), (3, 1, 64), (16, 8, 128)])
+def test_qk_norm_rotary_is_the_norms_then_rotary(dtype: torch.dtype, heads: int, kv_heads: int, d: int) -> None:
+    """Qwen3's q/k head norms and the rotary embedding in one kernel, in place on the qkv projection's views: what
+    the separate kernels give, and what the torch layers give."""
+    torch.manual_seed(heads * d)
+    rope = RotaryEmbedding(d, 512, 1e6, None)
+    tokens = 7
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype) * 3
+    v_before = qkv[:, (heads + kv_heads) * d:].clone()
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    qn, kn = norm(d, dtype), norm(d, dtype)
+    positions = torch.randint(0, 512, (tokens,))
+    want_q, want_k = (t.to(dtype) for t in rope(positions, qn(q).float(), kn(k).float()))
+    sep_q, sep_k = triton_fused.rotary(positions, triton_fused.rms_norm(q, qn.weight, qn.eps),
+                                       triton_fused.rms_norm(k, kn.weight, kn.eps), rope.cos, rope.sin)
+    got_q, got_k = triton_fused.qk_norm_rotary(positions, q, k, qn.weight, kn.weight, qn.eps, rope.cos, rope.sin)
+    assert got_q.data_ptr() == qkv.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    close(got_q, sep_q, dtype)
+    close(got_k, sep_k, dtype)
+    close(got_q, want_q, dtype)
+    close(got_k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,inter", [(1, 16), (6, 100), (2, 3000)])
 def test_silu_and_mul(dtype: torch.dtype, tokens: int, inter: int) -> None:
     torch.manual_seed(inter)
@@ -102,12 +128,16 @@ def test_engine_with_fused_ops_matches_torch(tiny_model_dirs: dict[str, str], ar
             .generate(prompts, sp)]
     llm = LLM(tiny_model_dirs[arch], kv_cache_memory_bytes=1 << 24)
     use_fused_ops(llm.engine.runner.model)
-    calls = []
-    real = triton_fused.rms_norm
-    triton_fused.rms_norm = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    calls: list[str] = []
+    real = {name: getattr(triton_fused, name) for name in ("rms_norm", "qk_norm_rotary", "rotary")}
+    for name, fn in real.items():
+        setattr(triton_fused, name, lambda *a, name=name, fn=fn, **kw: calls.append(name) or fn(*a, **kw))
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     finally:
-        triton_fused.rms_norm = real
-    assert calls, "the fused kernels were not used"
+        for name, fn in real.items():
+            setattr(triton_fused, name, fn)
+    assert "rms_norm" in calls, "the fused kernels were not used"
+    # Qwen3's q/k norms go with the rotary embedding in one kernel; Llama has no q/k norms
+    assert ("qk_norm_rotary" in calls, "rotary" in calls) == ((True, False) if arch == "qwen3" else (False, True))
     assert got == want

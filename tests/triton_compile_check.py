@@ -99,6 +99,7 @@ def launches() -> None:
         qr, kr = qkv[:, :512].view(6, 8, 64), qkv[:, 512:640].view(6, 2, 64)
         cos = torch.zeros(64, 32, dtype=torch.float32)
         triton_fused.rotary(torch.arange(6), qr, kr, cos, cos)
+        triton_fused.qk_norm_rotary(torch.arange(6), qr, kr, w[:64], w[:64], 1e-6, cos, cos)
         triton_fused.silu_and_mul(torch.zeros(6, 2 * 384, dtype=dtype))
     logits = torch.zeros(4, 1000)
     for step_seed in (0xDEADBEEF, 5, 16, 1):  # the sampler's random step seeds: one configuration for all

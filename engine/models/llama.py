@@ -35,6 +35,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary  # one table shared by all layers
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.fused = False  # the q/k norms and the rotary embedding in one Triton kernel (use_fused_ops)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -42,9 +43,13 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if self.q_norm is not None and self.fused:
+            q, k = fused_ops().qk_norm_rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight,
+                                              self.q_norm.eps, self.rotary.cos, self.rotary.sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
