@@ -184,10 +184,10 @@ class Scheduler:
     def _admit(self) -> None:
         now, bs = self._now, self.bm.block_size
         self.waiting.sort(key=lambda s: self._order(s, now))
-        free_seats = self.max_num_seqs - self._seats_used()
+        used = self._seats_used()  # kept up to date below: summing over the running ones per admission is O(n^2)
         deadlines = [self.batch_deadline(s) for s in self.waiting]
         wanted = sum(self.seats_needed(s) for s in self.waiting)
-        if min(deadlines) > now and wanted < free_seats:  # hold: wait for more prefills to batch
+        if min(deadlines) > now and wanted < self.max_num_seqs - used:  # hold: wait for more prefills to batch
             self.next_wakeup = min(deadlines)
             return
         for seq in list(self.waiting):
@@ -197,10 +197,11 @@ class Scheduler:
                 continue  # preempted while its step was in flight: its token reaches the host first
             prio = self.effective_priority(seq, now)
             seats = self.seats_needed(seq)
-            while self._seats_used() + seats > self.max_num_seqs:
+            while used + seats > self.max_num_seqs:
                 victim = self._lowest_running(below=prio) if self.enable_preemption else None
                 if victim is None:
                     return
+                used -= self.seats_needed(victim)
                 self._preempt(victim)
             if not self.enable_preemption:
                 reserved = sum(self._reserve(s) for s in self.running)
@@ -220,12 +221,14 @@ class Scheduler:
                 victim = self._lowest_running(below=prio) if self.enable_preemption else None
                 if victim is None:
                     return  # keep priority order: nothing behind this request jumps the queue
+                used -= self.seats_needed(victim)
                 self._preempt(victim)
             if computed is None:
                 continue
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            used += seats
             if seq.request.first_scheduled_time is None:
                 seq.request.first_scheduled_time = now
             if seq.loading is None:  # (else it runs once its blocks are loaded)
