@@ -90,3 +90,101 @@ def test_pending_tokens_point_at_the_rows_the_step_before_sampled() -> None:
     msg = builder.build(planned([(a, 1), (b, 1)]), [], sampled_rows={1: 2, 2: 0})
     assert (msg.pending_rows, msg.pending_src) == ([0], [2]) and msg.samples == [True, True]
     assert msg.new_seqs[0].token_ids == [5, 6, 7]  # what the host has: the pending token comes on the device
+
+
+def test_runner_step_tensors_from_the_persistent_batch() -> None:
+    """ModelRunner.prepare over random steps (prompt chunks, decodes, tokens pending on the device, sequences
+    finished, preempted and sent again, more sequences than rows, tables wider than the arrays) gives the tensors
+    that follow from the engine's own sequences."""
+    import random
+
+    import torch
+
+    from kvgate.engine.model_runner import ModelRunner
+
+    rng, bs = random.Random(7), 4
+    runner = SimpleNamespace(block_size=bs, state=RunnerState(rows=2, width=2), device=torch.device("cpu"))
+    builder, next_block, next_id = StepInputBuilder(), [1], [0]
+    live: list[SimpleNamespace] = []
+
+    def blocks_for(s: SimpleNamespace, tokens: int) -> None:
+        while len(s.block_table) * bs < tokens:
+            s.block_table.append(next_block[0])
+            next_block[0] += 1
+
+    sampled_rows: dict[int, int] = {}
+    sampled = torch.zeros(0, dtype=torch.long)
+    seen = dict.fromkeys(["pending decodes", "pending chunk ends", "sent again"], 0)
+    for _ in range(60):
+        freed = []
+        for s in list(live):
+            if rng.random() < 0.08 and not s.num_pending:  # finished, or preempted: blocks dropped
+                freed.append(s.seq_id)
+                live.remove(s)
+                if rng.random() < 0.5:
+                    s.block_table, s.num_computed_tokens = [], 0
+                    live.append(s)
+        while len(live) < 6 or rng.random() < 0.2:
+            live.append(seq(next_id[0], [rng.randrange(1000) for _ in range(rng.randint(1, 11))], []))
+            next_id[0] += 1
+        decodes, chunks = [], []
+        for s in rng.sample(live, rng.randint(1, len(live))):
+            if s.num_pending and s.num_computed_tokens and rng.random() < 0.2:
+                s.num_computed_tokens -= 1  # a rewind: the position before the pending token is computed again
+            left = len(s.token_ids) + s.num_pending - s.num_computed_tokens
+            if left == 1:
+                decodes.append((s, 1))
+            elif left > 1:
+                chunks.append((s, rng.randint(1, left)))
+        pairs = decodes + chunks
+        for s, n in pairs:
+            blocks_for(s, s.num_computed_tokens + n)
+        out = planned(pairs)
+        out.num_decodes = len(decodes)  # (a one-token prompt chunk is no decode)
+        msg = builder.build(out, freed, None, sampled_rows)
+        ids, positions, md, logits_rows = ModelRunner.prepare(runner, msg, sampled)  # type: ignore[arg-type]
+        seen["pending decodes"] += sum(1 for i in msg.pending_rows if i < len(decodes))
+        seen["pending chunk ends"] += sum(1 for i in msg.pending_rows if i >= len(decodes))
+        seen["sent again"] += sum(1 for new in msg.new_seqs if new.seq_id in freed)
+
+        want_ids, want_pos, want_slots, starts, lens, tables, want_rows = [], [], [], [0], [], [], []
+        for s, n in pairs:
+            c = s.num_computed_tokens
+            for p in range(c, c + n):
+                want_ids.append(s.token_ids[p] if p < len(s.token_ids) else int(sampled[sampled_rows[s.seq_id]]))
+                want_pos.append(p)
+                want_slots.append(s.block_table[p // bs] * bs + p % bs)
+            starts.append(starts[-1] + n)
+            lens.append(c + n)
+            if c + n == len(s.token_ids) + s.num_pending:
+                want_rows.append(starts[-1] - 1)
+        width = max(len(s.block_table) for s, _ in pairs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _ in pairs]
+        assert ids.tolist() == want_ids and positions.tolist() == want_pos
+        assert md.slot_mapping.tolist() == want_slots and md.query_start_loc.tolist() == starts == md.query_start_loc_cpu
+        assert md.seq_lens.tolist() == lens == md.seq_lens_cpu and md.block_tables.tolist() == tables
+        assert logits_rows == want_rows and md.num_decodes == len(decodes)
+        assert md.max_query_len == max(n for _, n in pairs) and md.max_seq_len == max(lens)
+
+        # the step before completes: its tokens reach the host; this step's sampled rows draw a token, some of them
+        # left on the device for the next step (async scheduling)
+        for s in live:
+            if s.num_pending:
+                s.token_ids.append(int(sampled[sampled_rows[s.seq_id]]))
+                s.num_pending = 0
+        sampled_rows = {}
+        drawn = []
+        for s, n in pairs:
+            s.num_computed_tokens += n
+        for s, n in pairs:
+            if s.num_computed_tokens == len(s.token_ids):
+                token = rng.randrange(1000)
+                if rng.random() < 0.5:  # async: stays on the device for the next step
+                    s.num_pending = 1
+                    sampled_rows[s.seq_id] = len(drawn)
+                    drawn.append(token)
+                else:
+                    s.token_ids.append(token)
+        sampled = torch.tensor(drawn, dtype=torch.long)
+    assert runner.state.block_tables.shape[0] > 2 and runner.state.block_tables.shape[1] > 2  # both grew
+    assert min(seen.values()) > 0, seen
