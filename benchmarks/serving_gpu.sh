@@ -36,7 +36,8 @@ if [[ -n ${STEP_LOG:-} ]]; then
 fi
 ${SERVER_CPUS:+taskset -c $SERVER_CPUS} python -m kvgate.gateway.cli serve --model "$model" --load-format dummy --port "$port" ${SERVE_FLAGS:-} >"$out/serve.log" 2>&1 &
 server=$!
-trap 'kill $server 2>/dev/null && wait $server 2>/dev/null; true' EXIT  # waits: the next run may take the port
+stop_server() { kill $server 2>/dev/null && wait $server 2>/dev/null; true; }  # once: a second SIGTERM exits at once
+trap 'kill ${sampler:-} 2>/dev/null || true; stop_server' EXIT  # waits: the next run may take the port
 for _ in $(seq 300); do curl -sf "localhost:$port/health" >/dev/null && break; sleep 1; done
 curl -sf "localhost:$port/health" >/dev/null || { tail -20 "$out/serve.log"; exit 1; }
 bench="${CLIENT_CPUS:+taskset -c $CLIENT_CPUS} python benchmarks/serving.py --base-url http://127.0.0.1:$port/v1 --model $(basename "$model") --vocab ${VOCAB:-100000} --workers ${WORKERS:-8} --engine-metrics"
@@ -60,7 +61,7 @@ kill $sampler
 if [[ -n ${STEP_LOG:-} ]]; then sleep 1.5; python benchmarks/step_log/summarize.py "$out/steps" | tee "$out/steps.txt"; fi
 python benchmarks/cpu_placement.py "$out/cpus.txt" $pids || true
 [[ $levels == *1024* ]] && $bench --input-len 1024 --output-len 128 --num-prompts 200 --concurrency 20 50 100 | tee "$out/serve1024.txt"
-kill $server
+stop_server
 [[ -n ${NO_OFFLINE:-} ]] && exit 0
 # the offline engine on the same model directory, detokenizing with the same tokenizer as the server
 offline="python benchmarks/throughput.py --model $model --load-format dummy --detokenize --min-output 128 --max-output 128"

@@ -82,6 +82,9 @@ class GatewayConfig:
                                             "latency; never the prompt)")
     max_body_bytes: int = arg(8 << 20, "larger request bodies get 413", ge=1)
     max_queue_len: int = arg(1024, "waiting requests per model before 429", ge=0)
+    timeout_keep_alive: float = arg(75.0, "seconds an idle keep-alive connection stays open (uvicorn's flag; its "
+                                          "default, 5, equals httpx's own expiry, and a client reusing a connection "
+                                          "just as the server closed it got a connection reset)", gt=0)
     shutdown_timeout: float = arg(25.0, "on SIGTERM or SIGINT, seconds the requests in flight get to finish before "
                                         "they are aborted; then the engines stop and kvgate exits with status 0 (a "
                                         "second signal exits at once)", ge=0)

@@ -33,10 +33,11 @@ def say(text: str) -> None:
 
 class GatewayServer(uvicorn.Server):
     def __init__(self, app: Any, router: ModelRouter, host: str, port: int, shutdown_timeout: float,
-                 handle_signals: bool = True) -> None:
+                 handle_signals: bool = True, timeout_keep_alive: float = 75.0) -> None:
         """`handle_signals` False: SIGTERM / SIGINT are left alone (another API process of kvgate serve's, which
         drains when the first one tells it to: gateway/api_servers.py)."""
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                        timeout_keep_alive=timeout_keep_alive,
                                         timeout_graceful_shutdown=shutdown_timeout + DRAIN_MARGIN_S))
         self.router, self.shutdown_timeout, self.handle_signals = router, shutdown_timeout, handle_signals
         self.exit_code = 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
+import time
 from pathlib import Path
 
 import openai
@@ -79,3 +81,30 @@ def test_kvgate_serve_refuses_an_invalid_config(tmp_path: Path) -> None:
     assert r.returncode == 2
     assert r.stderr.strip() == (f"kvgate: error: {config}: models[0]: unknown key 'max_num_seq' "
                                 f"(did you mean 'max_num_seqs'?)")
+
+
+def test_an_idle_keep_alive_connection_outlives_httpx_pool_expiry(tmp_path: Path, tiny_model_dirs: dict[str, str]
+                                                                   ) -> None:
+    """A connection left idle for longer than httpx's keep-alive expiry (5 s, uvicorn's default timeout too) still
+    serves the next request: the server's timeout (--timeout-keep-alive, default 75 s) is longer than a client's, so
+    a client never reuses a connection the server is closing (under load that reset streams of a benchmark client).
+    With the flag set below the idle time, the server closes it."""
+    def health(sock: socket.socket) -> bytes:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        data = b""
+        while b'"ok"' not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break  # closed by the server
+            data += chunk
+        return data
+
+    for flags, idle, reused in (([], 6, True), (["--timeout-keep-alive", "1"], 2, False)):
+        port = free_port()
+        with serve(["--model", tiny_model_dirs["llama"], "--port", str(port), "--num-gpu-blocks-override", "64",
+                    *flags], tmp_path / "serve.log", port):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                assert health(sock).startswith(b"HTTP/1.1 200")
+                time.sleep(idle)
+                second = health(sock)
+                assert second.startswith(b"HTTP/1.1 200") if reused else second == b"", (flags, second)
