@@ -74,7 +74,10 @@ async def run_requests(args: argparse.Namespace, concurrency: int, prompts: list
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def guarded(p: list[int]) -> dict:
             async with sem:
-                return await one_request(client, url, args.model, p, args.output_len, args.api_key)
+                try:
+                    return await one_request(client, url, args.model, p, args.output_len, args.api_key)
+                except httpx.HTTPError as e:  # counted and reported (vLLM's benchmark too), not the level's end
+                    return {"error": f"{type(e).__name__}: {e}"}
 
         await client.get(args.base_url.rstrip("/") + "/models")  # connect and import before the clock starts
         await asyncio.sleep(max(0.0, start_at - time.time()))
@@ -156,13 +159,20 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: list[list[int
         end = max(t for _, t, _ in parts)
         cpus = [c for _, _, c in parts]
     secs = end - start_at  # from the common start to the last response
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        print(f"# {len(failed)} of {len(results)} requests failed at concurrency {concurrency}; the first: "
+              f"{failed[0]}", file=sys.stderr)
+        if len(failed) == len(results):
+            raise SystemExit(f"every request failed at concurrency {concurrency}: {failed[0]}")
+    sent, results = len(results), [r for r in results if "error" not in r]
     ttft = [r["ttft"] * 1e3 for r in results]
     # the requests after the first `concurrency` (those all start together, with their connections): steady state
     steady = [r["ttft"] * 1e3 for r in sorted(results, key=lambda r: r["start"])[concurrency:]]
     tpot = [r["tpot"] * 1e3 for r in results]
     itl = [x * 1e3 for r in results for x in r["itl"]]
     out = sum(r["tokens"] for r in results)
-    row = {"concurrency": concurrency, "requests": len(results), "req_s": round(len(results) / secs, 2),
+    row = {"concurrency": concurrency, "requests": sent, "failed": len(failed), "req_s": round(len(results) / secs, 2),
            "output_tok_s": round(out / secs, 1), "ttft_p50_ms": round(statistics.median(ttft), 1),
            "ttft_p99_ms": round(pct(ttft, 99), 1), "ttft_p99_later_ms": round(pct(steady, 99), 1),
            "tpot_p50_ms": round(statistics.median(tpot), 2),
