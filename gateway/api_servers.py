@@ -227,5 +227,5 @@ def make_server(cfg: Any, engine_factory: Callable[[str, Any], AsyncLLMEngine], 
     router = build_router(cfg, engine_factory=engine_factory)  # remote deployments, routes, fallbacks included
     app = create_app(router, api_keys=cfg.api_keys, max_body_bytes=cfg.max_body_bytes,
                      max_queue_len=cfg.max_queue_len, log_requests=not cfg.disable_log_requests)
-    return GatewayServer(app, router, cfg.host, cfg.port, cfg.shutdown_timeout, handle_signals=handle_signals,
-                         timeout_keep_alive=cfg.timeout_keep_alive)
+    return GatewayServer(app, router, cfg.host, cfg.port, cfg.shutdown_timeout, cfg.timeout_keep_alive,
+                         handle_signals=handle_signals)

@@ -33,9 +33,10 @@ def say(text: str) -> None:
 
 class GatewayServer(uvicorn.Server):
     def __init__(self, app: Any, router: ModelRouter, host: str, port: int, shutdown_timeout: float,
-                 handle_signals: bool = True, timeout_keep_alive: float = 75.0) -> None:
-        """`handle_signals` False: SIGTERM / SIGINT are left alone (another API process of kvgate serve's, which
-        drains when the first one tells it to: gateway/api_servers.py)."""
+                 timeout_keep_alive: float, handle_signals: bool = True) -> None:
+        """`timeout_keep_alive`: seconds an idle connection stays open (GatewayConfig's, which has the default).
+        `handle_signals` False: SIGTERM / SIGINT are left alone (another API process of kvgate serve's, which drains
+        when the first one tells it to: gateway/api_servers.py)."""
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                         timeout_keep_alive=timeout_keep_alive,
                                         timeout_graceful_shutdown=shutdown_timeout + DRAIN_MARGIN_S))

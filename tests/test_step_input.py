@@ -1,8 +1,12 @@
 """StepInput: what the engine sends the runners each step, and the runners' copy of the sequences it keeps."""
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
+import torch
+
+from kvgate.engine.model_runner import ModelRunner
 from kvgate.engine.scheduler import SchedulerOutput
 from kvgate.engine.step_input import RunnerState, StepInputBuilder
 
@@ -96,12 +100,6 @@ def test_runner_step_tensors_from_the_persistent_batch() -> None:
     """ModelRunner.prepare over random steps (prompt chunks, decodes, tokens pending on the device, sequences
     finished, preempted and sent again, more sequences than rows, tables wider than the arrays) gives the tensors
     that follow from the engine's own sequences."""
-    import random
-
-    import torch
-
-    from kvgate.engine.model_runner import ModelRunner
-
     rng, bs = random.Random(7), 4
     runner = SimpleNamespace(block_size=bs, state=RunnerState(rows=2, width=2), device=torch.device("cpu"))
     builder, next_block, next_id = StepInputBuilder(), [1], [0]
